@@ -1,0 +1,168 @@
+"""Core benchmarks, each beside its baseline in the same run (print a table).
+
+1. Engine-thread cost of publish() for one 16-block KVEventBatch: kvbus
+   ``Publisher.publish`` (engine bytes, and the batch object the vLLM plugin hands over)
+   vs vLLM's own ``ZmqEventPublisher.publish``. Calls are paced like engine steps
+   (``--gap-us`` apart) so each one finds the sender idle, the case that costs a wake-up.
+2. End-to-end batches/s: kvbus Publisher -> memory:// -> ``kvbus.subscribe()`` (ordered,
+   deduplicated, decoded) vs vLLM's ZmqEventPublisher -> SUB socket -> msgspec decode.
+
+Run: python bench/bench_core.py [--repeats 5]   (needs vllm for the baselines)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import msgspec
+
+import kvbus
+from kvbus.events import BlockStored, KVEventBatch, encode
+
+
+def batch16(i: int) -> KVEventBatch:
+    """One engine step storing 16 blocks of 16 tokens (vLLM's event shape)."""
+    hashes: list[int | bytes] = [(i * 16 + b) * 0x9E3779B97F4A7C15 % 2**64 for b in range(16)]
+    return KVEventBatch(
+        time.time(), [BlockStored(hashes, None, list(range(256)), 16, None, "GPU", None)], 0
+    )
+
+
+def vllm_batch16(i: int) -> Any:
+    from vllm.distributed.kv_events import BlockStored as VStored
+    from vllm.distributed.kv_events import KVEventBatch as VBatch
+
+    hashes = [(i * 16 + b) * 0x9E3779B97F4A7C15 % 2**64 for b in range(16)]
+    stored = VStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=list(range(256)),
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    return VBatch(ts=time.time(), events=[stored], data_parallel_rank=0)
+
+
+def pace(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def time_calls(publish: Any, items: list[Any], gap: float) -> list[float]:
+    costs = []
+    for item in items:
+        start = time.perf_counter_ns()
+        publish(item)
+        costs.append(time.perf_counter_ns() - start)
+        pace(gap)
+    return costs
+
+
+def publish_cost(n: int, gap: float) -> dict[str, list[float]]:
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    payloads = [encode(batch16(i)) for i in range(n)]
+    structs = [batch16(i) for i in range(n)]
+    vllm_batches = [vllm_batch16(i) for i in range(n)]
+    url = f"memory://bench-publish-{time.monotonic_ns()}"
+    out: dict[str, list[float]] = {}
+    with kvbus.Publisher(url, source="bench", max_queue=n + 10) as pub:
+        out["kvbus publish(bytes)"] = time_calls(pub.publish, payloads, gap)
+    with kvbus.Publisher(url, source="bench2", max_queue=n + 10) as pub:
+        out["kvbus publish(KVEventBatch)"] = time_calls(pub.publish, structs, gap)
+    vllm_pub = ZmqEventPublisher(0, endpoint=f"inproc://bench-{time.monotonic_ns()}")
+    out["vLLM ZmqEventPublisher.publish"] = time_calls(vllm_pub.publish, vllm_batches, gap)
+    vllm_pub.shutdown()
+    return out
+
+
+async def kvbus_end_to_end(n: int) -> float:
+    url = f"memory://bench-e2e-{time.monotonic_ns()}"
+    payloads = [encode(batch16(i)) for i in range(n)]
+    start = time.perf_counter()
+    received = 0
+    async with kvbus.subscribe(url=url) as sub:
+        with kvbus.Publisher(url, source="bench", max_queue=n + 10) as pub:
+            for p in payloads:
+                pub.publish(p)
+            async for item in sub:
+                if isinstance(item, kvbus.Message) and item.kind is kvbus.Kind.KV:
+                    received += 1
+                    if received == n:
+                        break
+    return n / (time.perf_counter() - start)
+
+
+def vllm_end_to_end(n: int) -> float:
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch as VBatch
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    endpoint = f"inproc://bench-e2e-{time.monotonic_ns()}"
+    publisher = ZmqEventPublisher(0, endpoint=endpoint, hwm=n + 10, max_queue_size=n + 10)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.2)  # slow-joiner: let the subscription reach the PUB socket
+    decoder = msgspec.msgpack.Decoder(VBatch)
+    batches = [vllm_batch16(i) for i in range(n)]
+    start = time.perf_counter()
+    for b in batches:
+        publisher.publish(b)
+    for _ in range(n):
+        _topic, _seq, payload = sub.recv_multipart()
+        decoder.decode(payload)
+    rate = n / (time.perf_counter() - start)
+    sub.close(linger=0)
+    publisher.shutdown()
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--gap-us", type=float, default=200.0)
+    parser.add_argument("--batches", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
+    )
+
+    medians: dict[str, list[float]] = {}
+    p99s: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name, costs in publish_cost(args.calls, args.gap_us / 1e6).items():
+            costs.sort()
+            medians.setdefault(name, []).append(costs[len(costs) // 2] / 1000)
+            p99s.setdefault(name, []).append(costs[int(len(costs) * 0.99)] / 1000)
+    base = statistics.median(medians["vLLM ZmqEventPublisher.publish"])
+    print(
+        f"\npublish() on the engine thread, one 16-block batch, {args.calls} calls "
+        f"{args.gap_us:.0f} us apart, median of {args.repeats} runs"
+    )
+    print(f"{'publisher':34} {'median us':>10} {'p99 us':>8} {'vs vLLM':>8}")
+    for name in medians:
+        m = statistics.median(medians[name])
+        print(f"{name:34} {m:10.2f} {statistics.median(p99s[name]):8.2f} {m / base:7.2f}x")
+
+    kv_rates = [asyncio.run(kvbus_end_to_end(args.batches)) for _ in range(args.repeats)]
+    vllm_rates = [vllm_end_to_end(args.batches) for _ in range(args.repeats)]
+    kv, vl = statistics.median(kv_rates), statistics.median(vllm_rates)
+    print(f"\nend to end, {args.batches} 16-block batches, median of {args.repeats} runs")
+    print(f"{'path':52} {'batches/s':>10} {'ratio':>7}")
+    print(f"{'vLLM ZmqEventPublisher -> SUB -> decode (baseline)':52} {vl:10.0f} {1.0:7.2f}")
+    print(f"{'kvbus Publisher -> memory:// -> subscribe()':52} {kv:10.0f} {kv / vl:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""kvbus: an ordered, deduplicated, replayable bus for vLLM KV-cache events and load.
+
+Publish from engine code with `Publisher` (never blocks the caller), consume with
+``async for item in kvbus.subscribe(...)``. The transport is chosen by URL
+(``memory://``, ``zmq://``, ``nats://``, ``redis://``; default ``$KVBUS_URL``) and its
+client library is imported only when first used.
+"""
+
+__version__ = "0.1.0"
+
+from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind
+from kvbus.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    LoadMetrics,
+    SourceStarted,
+    SourceStopped,
+)
+from kvbus.publisher import Publisher, PublisherStats
+from kvbus.subscribe import (
+    Cursor,
+    Message,
+    Resync,
+    ResyncReason,
+    Subscription,
+    SubscriptionStats,
+    subscribe,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Cursor",
+    "Envelope",
+    "KVEventBatch",
+    "Kind",
+    "LoadMetrics",
+    "Message",
+    "Publisher",
+    "PublisherStats",
+    "Resync",
+    "ResyncReason",
+    "SourceStarted",
+    "SourceStopped",
+    "Subscription",
+    "SubscriptionStats",
+    "__version__",
+    "subscribe",
+]

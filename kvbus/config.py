@@ -1,0 +1,39 @@
+"""Where settings come from: an explicit argument beats the environment, which beats
+the built-in default."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Final
+
+DEFAULT_URL: Final = "memory://"
+DEFAULT_STREAM: Final = "kv"
+_STREAM_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def resolve_url(url: str | None) -> str:
+    """``url``, else ``$KVBUS_URL``, else the in-process ``memory://`` bus."""
+    return url or os.environ.get("KVBUS_URL") or DEFAULT_URL
+
+
+def resolve_stream(stream: str | None) -> str:
+    """``stream``, else ``$KVBUS_STREAM``, else ``kv``; validated because it becomes a
+    NATS subject token and a Redis key."""
+    name = stream or os.environ.get("KVBUS_STREAM") or DEFAULT_STREAM
+    if not _STREAM_NAME.match(name):
+        raise ValueError(f"invalid stream name {name!r}: use 1-64 of [A-Za-z0-9_-]")
+    return name
+
+
+def resolve_source(source: str | None) -> str:
+    """``source``, else ``$KVBUS_SOURCE``, else ``hostname-pid``.
+
+    Set a stable name in production: a restart under the same name is then a new
+    epoch of the same source, which consumers handle by resetting that source.
+    """
+    name = source or os.environ.get("KVBUS_SOURCE") or f"{socket.gethostname()}-{os.getpid()}"
+    if not name or len(name) > 200 or any(c.isspace() for c in name):
+        raise ValueError(f"invalid source name {name!r}: 1-200 characters, no white space")
+    return name

@@ -1,0 +1,214 @@
+"""Typed payloads carried on the bus.
+
+`KVEventBatch` and its events mirror vLLM's own classes (`vllm.distributed.kv_events`)
+field for field, so encoding one of ours with `msgspec.msgpack` gives the bytes vLLM
+sends and decoding vLLM's bytes gives ours. Two wire dialects exist and both decode:
+
+* vLLM >= 0.26: each event is a msgpack MAP tagged by ``"type"``;
+* older vLLM: each event is a tagged ARRAY ``["BlockStored", block_hashes, ...]``.
+
+msgspec cannot put map- and array-encoded structs in one union, so the older dialect
+has its own decoder, tried only when the current one fails. A batch holding an event
+type this version does not know is decoded event by event and the unknown ones are
+skipped (and counted by the caller) instead of losing the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, TypeAlias
+
+import msgspec
+
+BlockHash: TypeAlias = int | bytes
+"""An engine block hash: a 64-bit int by default (may exceed 2**63), or 32 bytes."""
+
+MEDIUM_GPU: Final = "GPU"
+MEDIUM_CPU: Final = "CPU"
+MEDIUM_STORAGE: Final = "STORAGE"
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    # No defaults on the next three: vLLM always writes them, and so must we to
+    # produce its exact bytes.
+    lora_id: int | None
+    """Deprecated by vLLM in favour of ``lora_name``."""
+    medium: str | None
+    """"GPU", "CPU" or "STORAGE"; None (older engines) means GPU."""
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    """One entry per block: what besides tokens went into that block's hash."""
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One engine step's KV-cache events: ``[ts, events, data_parallel_rank]`` on the wire."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One engine's load, published on the metrics stream.
+
+    Prefix-cache counters are deltas since the previous record from the same source,
+    so a consumer can sum them without knowing about engine restarts.
+    """
+
+    ts: float
+    engine_index: int = 0
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+# --- control payloads, published by kvbus itself -------------------------------------
+
+
+class SourceStarted(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """First message of every epoch: consumers drop what they knew of this source."""
+
+    host: str
+    pid: int
+    kvbus_version: str
+    data_parallel_rank: int | None = None
+
+
+class SourceStopped(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Last message of a cleanly closed epoch."""
+
+    dropped: int = 0
+
+
+ControlEvent: TypeAlias = SourceStarted | SourceStopped
+
+
+# --- decoding -------------------------------------------------------------------------
+
+
+# Fields every release of the array dialect wrote; later fields were appended one
+# release at a time, so an older engine's arrays simply stop early.
+_FIRST_RELEASE_FIELDS: Final = {"block_hashes", "parent_block_hash", "token_ids", "block_size"}
+
+
+def _array_dialect(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """The same struct, encoded as a tagged array (the pre-0.26 vLLM dialect)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for field in msgspec.structs.fields(cls):
+        if field.name in _FIRST_RELEASE_FIELDS:
+            fields.append((field.name, field.type))
+        else:
+            default = None if field.default is msgspec.NODEFAULT else field.default
+            fields.append((field.name, field.type, default))
+    return msgspec.defstruct(cls.__name__, fields, array_like=True, tag=cls.__name__, gc=False)
+
+
+_ARRAY_CLASSES: Final = {
+    c: _array_dialect(c) for c in (BlockStored, BlockRemoved, AllBlocksCleared)
+}
+_FROM_ARRAY: Final = {v: k for k, v in _ARRAY_CLASSES.items()}
+_array_union: Any = _ARRAY_CLASSES[BlockStored] | _ARRAY_CLASSES[BlockRemoved]
+_array_union = _array_union | _ARRAY_CLASSES[AllBlocksCleared]
+
+
+def _batch_of(event_type: Any, name: str) -> Any:
+    return msgspec.defstruct(
+        name,
+        [("ts", float), ("events", list[event_type]), ("data_parallel_rank", int | None, None)],
+        array_like=True,
+        gc=False,
+    )
+
+
+_ArrayKVEventBatch: Final = _batch_of(_array_union, "_ArrayKVEventBatch")
+_RawKVEventBatch: Final = _batch_of(msgspec.Raw, "_RawKVEventBatch")
+
+_batch_decoder: Final = msgspec.msgpack.Decoder(KVEventBatch)
+_array_batch_decoder: Final = msgspec.msgpack.Decoder(_ArrayKVEventBatch)
+_raw_batch_decoder: Final = msgspec.msgpack.Decoder(_RawKVEventBatch)
+_event_decoder: Final = msgspec.msgpack.Decoder(KVEvent)
+_array_event_decoder: Final = msgspec.msgpack.Decoder(_array_union)
+_metrics_decoder: Final = msgspec.msgpack.Decoder(LoadMetrics)
+_control_decoder: Final[msgspec.msgpack.Decoder[ControlEvent]] = msgspec.msgpack.Decoder(
+    ControlEvent
+)
+
+
+def _from_array(event: msgspec.Struct) -> KVEvent:
+    cls = _FROM_ARRAY[type(event)]
+    return cls(**msgspec.structs.asdict(event))
+
+
+def decode_kv_batch(payload: bytes) -> tuple[KVEventBatch, int]:
+    """Decode a vLLM ``KVEventBatch`` payload in either dialect.
+
+    Returns the batch and how many events in it were skipped because their type is
+    unknown or their fields are malformed. Raises ``msgspec.DecodeError`` (or
+    ``ValidationError``) when the payload is not a batch at all.
+    """
+    try:
+        return _batch_decoder.decode(payload), 0
+    except msgspec.ValidationError:
+        pass
+    try:
+        old = _array_batch_decoder.decode(payload)
+        events = [_from_array(e) for e in old.events]
+        return KVEventBatch(old.ts, events, old.data_parallel_rank), 0
+    except msgspec.ValidationError:
+        pass
+    # Slow path: keep every event we understand, skip the rest.
+    raw = _raw_batch_decoder.decode(payload)
+    kept: list[KVEvent] = []
+    for item in raw.events:
+        try:
+            kept.append(_event_decoder.decode(item))
+            continue
+        except msgspec.ValidationError:
+            pass
+        try:
+            kept.append(_from_array(_array_event_decoder.decode(item)))
+        except msgspec.ValidationError:
+            continue
+    return KVEventBatch(raw.ts, kept, raw.data_parallel_rank), len(raw.events) - len(kept)
+
+
+def decode_metrics(payload: bytes) -> LoadMetrics:
+    return _metrics_decoder.decode(payload)
+
+
+def decode_control(payload: bytes) -> ControlEvent:
+    return _control_decoder.decode(payload)
+
+
+def encode(value: msgspec.Struct) -> bytes:
+    """Encode a payload exactly as vLLM's publisher does (default msgpack encoder)."""
+    return _encoder.encode(value)
+
+
+_encoder: Final = msgspec.msgpack.Encoder()

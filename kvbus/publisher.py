@@ -1,0 +1,276 @@
+"""`Publisher`: hands messages from engine code to a transport without ever blocking it.
+
+``publish()`` runs on the caller's thread (vLLM's scheduler thread, or an event loop)
+and only stamps a seq and appends to a bounded in-memory queue. A background thread
+with its own event loop drains that queue in batches, wraps each message in an
+`Envelope` and appends it to the transport, retrying with backoff while the backend is
+down. When the queue is full the message is dropped and counted; its seq is still
+used, so the next message sent carries ``lost_from`` and every consumer learns exactly
+which seqs will never arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Final
+
+import msgspec
+
+from kvbus import __version__
+from kvbus.config import resolve_source, resolve_stream, resolve_url
+from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
+from kvbus.events import SourceStarted, SourceStopped, encode
+from kvbus.retry import retry_forever
+from kvbus.transports import Record, Transport, open_transport
+
+log = logging.getLogger("kvbus.publisher")
+
+DEFAULT_MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
+
+# (seq, kind, payload, ts) as queued by publish(); a Struct payload is encoded by the
+# sender thread so that the engine thread pays nothing for it.
+_Queued = tuple[int, int, "bytes | msgspec.Struct", float]
+
+
+class PublisherStats(msgspec.Struct):
+    published: int = 0
+    """Messages accepted by ``publish()``."""
+    sent: int = 0
+    """Messages the transport accepted."""
+    dropped: int = 0
+    """Messages lost: queue full, publisher closed, oversized, or unsent at close."""
+    send_errors: int = 0
+    """Failed append attempts (each is retried)."""
+
+
+class Publisher:
+    """Publishes messages of one ``source`` to one ``stream`` of a transport.
+
+    Delivery guarantee: at-least-once to the transport for every message accepted by
+    ``publish()`` while the process lives and the backend recovers within the queue's
+    capacity; otherwise the loss is announced to consumers by the next message's gap
+    marker. Per-source order is preserved.
+
+    Args:
+        url: transport URL; default ``$KVBUS_URL``, else ``memory://``.
+        stream: stream name; default ``$KVBUS_STREAM``, else ``kv``.
+        source: stable publisher id; default ``$KVBUS_SOURCE``, else ``hostname-pid``.
+        max_queue: messages held while the backend is slow or down before dropping.
+        max_batch: most messages handed to the transport in one append.
+        max_message_bytes: larger envelopes are dropped (and announced as lost).
+        data_parallel_rank: recorded in the epoch's ``SourceStarted`` message.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        stream: str | None = None,
+        source: str | None = None,
+        max_queue: int = 10_000,
+        max_batch: int = 512,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        data_parallel_rank: int | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.url = resolve_url(url)
+        self.stream = resolve_stream(stream)
+        self.source = resolve_source(source)
+        self.epoch = time.time_ns()
+        self.stats = PublisherStats()
+        self._max_queue = max_queue
+        self._max_batch = max_batch
+        self._max_message_bytes = max_message_bytes
+        self._seqs = itertools.count(1)
+        self._queue: deque[_Queued] = deque()
+        self._closed = False
+        # The sender sets _idle before sleeping; publish() wakes it only then, so a busy
+        # sender costs publish() nothing beyond a deque append. The wake-up is a
+        # threading.Event, relayed into the event loop by a waker thread: setting it never
+        # releases the GIL inside publish(), where loop.call_soon_threadsafe's socket
+        # write would hand the GIL to the sender in the middle of the engine's step.
+        self._idle = False
+        self._wake = threading.Event()
+        self._transport = transport or open_transport(self.url)
+        self._loop = asyncio.new_event_loop()
+        self._wakeup = asyncio.Event()
+        self._settled = 0  # accepted messages the sender has sent or dropped
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"kvbus-publisher-{self.stream}", daemon=True
+        )
+        self._thread.start()
+        self._waker = threading.Thread(target=self._relay_wakeups, name="kvbus-waker", daemon=True)
+        self._waker.start()
+        self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._loop)
+        self.publish(
+            SourceStarted(
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                kvbus_version=__version__,
+                data_parallel_rank=data_parallel_rank,
+            ),
+            Kind.CONTROL,
+        )
+
+    # --- engine side: never blocks -------------------------------------------------
+
+    def publish(self, payload: bytes | msgspec.Struct, kind: Kind = Kind.KV) -> bool:
+        """Queue one message; returns False (and counts it) if it had to be dropped.
+
+        ``payload`` is the engine's encoded bytes, or a msgspec Struct that the sender
+        thread encodes the way vLLM does. Safe to call from any thread or event loop.
+        """
+        seq = next(self._seqs)
+        if self._closed or len(self._queue) >= self._max_queue:
+            self.stats.dropped += 1
+            return False
+        self._queue.append((seq, kind, payload, time.time()))
+        self.stats.published += 1
+        if self._idle:
+            self._idle = False
+            self._wake.set()
+        return True
+
+    def _relay_wakeups(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._loop.is_closed():
+                return
+            self._loop.call_soon_threadsafe(self._wakeup.set)
+            if self._closed and self._sender.done():
+                return
+
+    # --- sender thread ---------------------------------------------------------------
+
+    async def _send_forever(self) -> None:
+        last_sent = 0
+        while True:
+            batch = self._take_batch()
+            if not batch:
+                if self._closed:
+                    return
+                self._idle = True
+                if self._queue:  # published between _take_batch and _idle = True
+                    self._idle = False
+                    continue
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            records = []
+            for seq, kind, payload, ts in batch:
+                data = encode_envelope(
+                    Envelope(
+                        SCHEMA_VERSION,
+                        kind,
+                        self.source,
+                        self.epoch,
+                        seq,
+                        ts,
+                        payload if isinstance(payload, bytes) else encode(payload),
+                        lost_from=0 if seq == last_sent + 1 else last_sent + 1,
+                    )
+                )
+                if len(data) > self._max_message_bytes:
+                    self.stats.dropped += 1
+                    self._settled += 1
+                    log.error(
+                        "kvbus: dropped message %s:%s:%s of %d bytes (max_message_bytes=%d)",
+                        self.source,
+                        self.epoch,
+                        seq,
+                        len(data),
+                        self._max_message_bytes,
+                    )
+                    continue
+                records.append(Record(self.source, f"{self.source}:{self.epoch}:{seq}", data))
+                last_sent = seq
+            if records:
+                await self._append(records)
+
+    def _take_batch(self) -> list[_Queued]:
+        batch: list[_Queued] = []
+        queue = self._queue
+        while queue and len(batch) < self._max_batch:
+            batch.append(queue.popleft())
+        return batch
+
+    async def _append(self, records: list[Record]) -> None:
+        def count() -> None:
+            self.stats.send_errors += 1
+
+        retrying = retry_forever(f"append to {self.url}", count, log)
+        async for attempt in retrying:
+            with attempt:
+                await self._transport.append(self.stream, records)
+        self.stats.sent += len(records)
+        self._settled += len(records)
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything published so far was handed to the transport."""
+        deadline = time.monotonic() + timeout
+        target = self.stats.published
+        while time.monotonic() < deadline:
+            if self._settled >= target:
+                return True
+            if self._sender.done():
+                break
+            time.sleep(0.001)
+        return False
+
+    async def aflush(self, timeout: float = 10.0) -> bool:
+        return await asyncio.to_thread(self.flush, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Publish ``SourceStopped``, send what is queued (up to ``timeout`` seconds),
+        close the transport and stop the sender thread. Idempotent."""
+        if self._closed:
+            return
+        self.publish(SourceStopped(dropped=self.stats.dropped), Kind.CONTROL)
+        self._closed = True
+        self._wake.set()
+        try:
+            self._sender.result(timeout)
+        except TimeoutError:
+            self._sender.cancel()
+            unsent = self.stats.published - self._settled
+            self.stats.dropped += unsent
+            log.error("kvbus: closed with %d messages unsent to %s", unsent, self.url)
+        close = asyncio.run_coroutine_threadsafe(self._transport.aclose(), self._loop)
+        try:
+            close.result(timeout)
+        except Exception:
+            log.exception("kvbus: closing transport %s failed", self.url)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        self._wake.set()  # lets the waker thread see the end
+        self._waker.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def aclose(self, timeout: float = 10.0) -> None:
+        await asyncio.to_thread(self.close, timeout)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Publisher:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"Publisher({self.url!r}, stream={self.stream!r}, source={self.source!r})"

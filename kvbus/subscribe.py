@@ -1,0 +1,536 @@
+"""`subscribe()`: ordered, deduplicated delivery with gap repair, over any transport.
+
+The transport yields envelopes in its own stream order. For each source this module
+delivers that source's messages in seq order, exactly once, and turns everything that
+would silently corrupt a consumer's state into an explicit `Resync`:
+
+* a seq that is skipped is held back while the transport's history is searched for
+  the missing ones; if they are not there within ``gap_timeout`` they are declared
+  lost (``Resync(reason=GAP)``), and delivery continues after them;
+* a message with a gap marker (``lost_from``) tells that the publisher dropped those
+  seqs: no waiting, ``Resync(reason=DROPPED)``;
+* a new epoch means the source restarted: ``Resync(reason=NEW_EPOCH)`` comes before
+  the new epoch's first message; messages of older epochs are dropped as stale.
+
+A consumer resets its state for ``Resync.source`` and carries on. ``Subscription.cursor``
+says what has been yielded so far; pass it back as ``cursor=`` after a restart to
+resume with nothing lost and nothing yielded twice.
+
+Bad input (oversized, undecodable, newer schema, unknown kind or event type) is
+counted in ``Subscription.stats``, logged and skipped; the iteration never fails on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Collection
+from typing import Any, Final, Literal
+
+import msgspec
+
+from kvbus.config import resolve_stream, resolve_url
+from kvbus.envelope import Envelope, FutureVersionError, Kind, decode_envelope
+from kvbus.events import (
+    ControlEvent,
+    KVEventBatch,
+    LoadMetrics,
+    decode_control,
+    decode_kv_batch,
+    decode_metrics,
+)
+from kvbus.retry import retry_forever
+from kvbus.transports import LATEST, Entry, Position, Transport, open_transport
+
+log = logging.getLogger("kvbus.subscribe")
+
+DEFAULT_GAP_TIMEOUT: Final = 0.5
+DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+
+
+class ResyncReason(str, enum.Enum):
+    NEW_EPOCH = "new_epoch"
+    """The source restarted: everything known about it is obsolete."""
+    GAP = "gap"
+    """Seqs were lost in transit and the transport's history no longer has them."""
+    DROPPED = "dropped"
+    """The publisher announced that it dropped these seqs (queue full, backend down)."""
+    JOINED = "joined"
+    """The first message seen from this source is not the start of its epoch."""
+
+
+class Resync(msgspec.Struct, frozen=True, gc=False):
+    """Control message: reset your state for ``source``; what follows is ``epoch``."""
+
+    source: str
+    epoch: int
+    reason: ResyncReason
+    lost: tuple[int, int] | None = None
+    """Inclusive range of seqs of ``epoch`` that will never be delivered."""
+    previous_epoch: int | None = None
+
+
+class Message(msgspec.Struct, frozen=True, gc=False):
+    """One delivered message, its payload already decoded."""
+
+    source: str
+    epoch: int
+    seq: int
+    kind: Kind
+    ts: float
+    body: KVEventBatch | LoadMetrics | ControlEvent
+    payload: bytes
+    """The payload exactly as published (for a vLLM batch: the engine's bytes)."""
+    position: int | str
+    """Where the transport stored it."""
+
+
+class SourceCursor(msgspec.Struct, array_like=True):
+    epoch: int
+    seq: int
+    position: int | str | None
+
+
+class Cursor(msgspec.Struct):
+    """Resume point: pass to ``subscribe(cursor=...)`` (as is, or its ``to_bytes()``)."""
+
+    position: int | str | None = None
+    sources: dict[str, SourceCursor] = {}
+
+    def to_bytes(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | str) -> Cursor:
+        return msgspec.json.decode(data, type=cls)
+
+
+class SubscriptionStats(msgspec.Struct):
+    delivered: int = 0
+    resyncs: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    """Messages of an epoch older than the newest seen for their source."""
+    gaps_repaired: int = 0
+    gaps_lost: int = 0
+    malformed: int = 0
+    oversized: int = 0
+    future_version: int = 0
+    unknown_kind: int = 0
+    skipped_events: int = 0
+    """Events inside otherwise good KV batches whose type is unknown or malformed."""
+    transport_errors: int = 0
+
+
+class _Held(msgspec.Struct, gc=False):
+    envelope: Envelope
+    position: int | str
+    order: int | None
+    """Arrival order on the live read (None: found by a history repair)."""
+    previous: int | str | None
+    """Position of the live entry read just before this one."""
+
+
+class _SourceState:
+    __slots__ = ("epoch", "gap_deadline", "held", "name", "position", "seq")
+
+    def __init__(self, name: str, epoch: int, seq: int, position: int | str | None) -> None:
+        self.name = name
+        self.epoch = epoch
+        self.seq = seq
+        self.position = position
+        self.held: dict[int, _Held] = {}
+        self.gap_deadline: float | None = None
+
+
+_END: Final = object()
+Item = Message | Resync
+
+
+class Subscription:
+    """Async iterator of `Message` and `Resync`; see the module docstring."""
+
+    def __init__(
+        self,
+        stream: str | None = None,
+        url: str | None = None,
+        sources: Collection[str] | None = None,
+        cursor: Cursor | bytes | str | Literal["latest"] | None = None,
+        *,
+        follow: bool = True,
+        gap_timeout: float = DEFAULT_GAP_TIMEOUT,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        transport: Transport | None = None,
+    ) -> None:
+        self.url = resolve_url(url)
+        self.stream = resolve_stream(stream)
+        self.sources = frozenset(sources) if sources is not None else None
+        self.stats = SubscriptionStats()
+        self._follow = follow
+        self._gap_timeout = gap_timeout
+        self._max_message_bytes = max_message_bytes
+        self._transport = transport or open_transport(self.url)
+        self._states: dict[str, _SourceState] = {}
+        self._yielded: dict[str, SourceCursor] = {}
+        if cursor == "latest":
+            self._start: Position | None = LATEST
+        elif cursor is None:
+            self._start = None
+        else:
+            if not isinstance(cursor, Cursor):
+                cursor = Cursor.from_bytes(cursor)
+            self._start = cursor.position
+            for name, c in cursor.sources.items():
+                self._states[name] = _SourceState(name, c.epoch, c.seq, c.position)
+                self._yielded[name] = c
+        self._read_position: Position | None = self._start
+        self._ready: deque[tuple[Item, int | None, Position | None]] = deque()
+        self._arrivals = itertools.count()
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue(maxsize=1024)
+        self._reader: asyncio.Task[None] | None = None
+        self._ended = False
+
+    # --- iteration ---------------------------------------------------------------------
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Item:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read_live())
+        while not self._ready:
+            if self._ended:
+                raise StopAsyncIteration
+            deadline = min(
+                (s.gap_deadline for s in self._states.values() if s.gap_deadline is not None),
+                default=None,
+            )
+            try:
+                if deadline is None:
+                    item = await self._inbox.get()
+                else:
+                    timeout = max(0.0, deadline - time.monotonic())
+                    item = await asyncio.wait_for(self._inbox.get(), timeout)
+            except TimeoutError:
+                await self._expire_gaps(force=False)
+                continue
+            if item is _END:
+                await self._expire_gaps(force=True)
+                self._ended = True
+                continue
+            entry, previous = item
+            self._read_position = entry.position
+            envelope = self._open(entry, count=True)
+            if envelope is not None:
+                await self._ingest(envelope, entry.position, next(self._arrivals), previous)
+        item, _, _ = self._ready.popleft()
+        self._note_yielded(item)
+        return item
+
+    @property
+    def cursor(self) -> Cursor:
+        """Everything yielded so far; resuming from it yields what comes next."""
+        pending = [(o, p) for _, o, p in self._ready if o is not None]
+        pending += [
+            (h.order, h.previous)
+            for s in self._states.values()
+            for h in s.held.values()
+            if h.order is not None
+        ]
+        position = min(pending, key=lambda x: x[0])[1] if pending else self._read_position
+        return Cursor(position, dict(self._yielded))
+
+    async def aclose(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> Subscription:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    # --- reading -----------------------------------------------------------------------
+
+    async def _read_live(self) -> None:
+        """Feed the inbox from the transport, resuming after the last entry on errors."""
+        previous = self._start
+
+        def count() -> None:
+            self.stats.transport_errors += 1
+
+        retrying = retry_forever(f"reading {self.url}", count, log)
+        async for attempt in retrying:
+            with attempt:
+                async for entry in self._transport.read(self.stream, previous, follow=self._follow):
+                    await self._inbox.put((entry, previous))
+                    previous = entry.position
+        await self._inbox.put(_END)
+
+    def _open(self, entry: Entry, *, count: bool) -> Envelope | None:
+        """The entry's envelope if it is one we should consider, else None."""
+        try:
+            if len(entry.data) > self._max_message_bytes:
+                raise _Oversized
+            envelope = decode_envelope(entry.data)
+        except _Oversized:
+            if count:
+                self.stats.oversized += 1
+                log.warning(
+                    "kvbus: skipped %d-byte message at %s:%s (max_message_bytes=%d)",
+                    len(entry.data),
+                    self.stream,
+                    entry.position,
+                    self._max_message_bytes,
+                )
+            return None
+        except FutureVersionError as error:
+            if count:
+                self.stats.future_version += 1
+                log.warning(
+                    "kvbus: skipped message at %s:%s: %s is newer than this kvbus "
+                    "understands; upgrade kvbus",
+                    self.stream,
+                    entry.position,
+                    error,
+                )
+            return None
+        except (msgspec.DecodeError, ValueError) as error:
+            if count:
+                self.stats.malformed += 1
+                log.warning(
+                    "kvbus: skipped malformed message at %s:%s: %s",
+                    self.stream,
+                    entry.position,
+                    error,
+                )
+            return None
+        if self.sources is not None and envelope.source not in self.sources:
+            return None
+        return envelope
+
+    # --- ordering ----------------------------------------------------------------------
+
+    async def _ingest(
+        self, envelope: Envelope, position: Position, order: int | None, previous: Position | None
+    ) -> None:
+        source = envelope.source
+        state = self._states.get(source)
+        if state is None:
+            state = self._states[source] = _SourceState(source, envelope.epoch, 0, previous)
+            if envelope.seq > 1 and envelope.lost_from != 1:
+                self._resync(state, ResyncReason.JOINED, envelope.seq - 1)
+        elif envelope.epoch < state.epoch:
+            self.stats.stale += 1
+            return
+        elif envelope.epoch > state.epoch:
+            old_epoch = state.epoch
+            state.epoch, state.seq, state.position = envelope.epoch, 0, previous
+            state.held.clear()
+            state.gap_deadline = None
+            lost_to = envelope.seq - 1 if envelope.seq > 1 and envelope.lost_from != 1 else 0
+            self._resync(state, ResyncReason.NEW_EPOCH, lost_to, old_epoch)
+        if envelope.seq <= state.seq or envelope.seq in state.held:
+            self.stats.duplicates += 1
+            return
+        state.held[envelope.seq] = _Held(envelope, position, order, previous)
+        self._release(state)
+        if state.held and state.gap_deadline is None:
+            state.gap_deadline = time.monotonic() + self._gap_timeout
+            await self._repair(source, state)
+
+    def _release(self, state: _SourceState) -> None:
+        """Deliver held messages that are next in seq order (or whose gap is announced)."""
+        had_gap = state.gap_deadline is not None
+        while state.held:
+            held = state.held.pop(state.seq + 1, None)
+            if held is None:
+                lowest = min(state.held)
+                lost_from = state.held[lowest].envelope.lost_from
+                if not lost_from or lost_from > state.seq + 1:
+                    return
+                self._resync(state, ResyncReason.DROPPED, lowest - 1)
+                continue
+            self._deliver(state, held)
+        if had_gap:
+            state.gap_deadline = None
+
+    def _deliver(self, state: _SourceState, held: _Held) -> None:
+        envelope = held.envelope
+        state.seq, state.position = envelope.seq, held.position
+        body = self._decode_body(envelope, held.position)
+        if body is None:
+            return
+        message = Message(
+            envelope.source,
+            envelope.epoch,
+            envelope.seq,
+            Kind(envelope.kind),
+            envelope.ts,
+            body,
+            envelope.payload,
+            held.position,
+        )
+        self.stats.delivered += 1
+        self._ready.append((message, held.order, held.previous))
+
+    def _resync(
+        self,
+        state: _SourceState,
+        reason: ResyncReason,
+        lost_to: int,
+        previous_epoch: int | None = None,
+    ) -> None:
+        """Queue a Resync; seqs state.seq+1..lost_to (if any) are declared lost."""
+        lost = (state.seq + 1, lost_to) if lost_to > state.seq else None
+        if lost is not None:
+            state.seq = lost_to
+        if reason in (ResyncReason.GAP, ResyncReason.DROPPED):
+            self.stats.gaps_lost += 1
+        self.stats.resyncs += 1
+        log.info(
+            "kvbus: resync %s epoch %s: %s, lost %s", state.name, state.epoch, reason.value, lost
+        )
+        self._ready.append(
+            (Resync(state.name, state.epoch, reason, lost, previous_epoch), None, None)
+        )
+
+    async def _repair(self, source: str, state: _SourceState) -> None:
+        """Look for the source's missing seqs in the transport's history."""
+        epoch = state.epoch
+        missing = _missing(state)
+        try:
+            async for entry in self._transport.read(self.stream, state.position, follow=False):
+                envelope = self._open(entry, count=False)
+                if envelope is None or envelope.source != source or envelope.epoch != epoch:
+                    continue
+                if envelope.seq in missing:
+                    missing.discard(envelope.seq)
+                    state.held[envelope.seq] = _Held(envelope, entry.position, None, None)
+                    if not missing:
+                        break
+        except Exception as error:
+            self.stats.transport_errors += 1
+            log.warning("kvbus: history read for %s failed: %r", source, error)
+        if state.epoch != epoch:
+            return
+        had_gap = state.gap_deadline is not None
+        self._release(state)
+        if had_gap and state.gap_deadline is None:
+            self.stats.gaps_repaired += 1
+
+    async def _expire_gaps(self, *, force: bool) -> None:
+        """Gaps whose deadline passed get one last history look, then a Resync."""
+        now = time.monotonic()
+        for source, state in list(self._states.items()):
+            if state.gap_deadline is None or (state.gap_deadline > now and not force):
+                continue
+            await self._repair(source, state)
+            while state.held:
+                self._resync(state, ResyncReason.GAP, min(state.held) - 1)
+                self._release(state)
+            state.gap_deadline = None
+
+    def _decode_body(
+        self, envelope: Envelope, position: Position
+    ) -> KVEventBatch | LoadMetrics | ControlEvent | None:
+        try:
+            if envelope.kind == Kind.KV:
+                batch, skipped = decode_kv_batch(envelope.payload)
+                if skipped:
+                    self.stats.skipped_events += skipped
+                    log.warning(
+                        "kvbus: skipped %d unknown or malformed events in %s:%s:%s",
+                        skipped,
+                        envelope.source,
+                        envelope.epoch,
+                        envelope.seq,
+                    )
+                return batch
+            if envelope.kind == Kind.METRICS:
+                return decode_metrics(envelope.payload)
+            if envelope.kind == Kind.CONTROL:
+                return decode_control(envelope.payload)
+        except (msgspec.DecodeError, ValueError) as error:
+            self.stats.malformed += 1
+            log.warning(
+                "kvbus: skipped malformed payload of %s:%s:%s at %s:%s: %s",
+                envelope.source,
+                envelope.epoch,
+                envelope.seq,
+                self.stream,
+                position,
+                error,
+            )
+            return None
+        self.stats.unknown_kind += 1
+        log.warning(
+            "kvbus: skipped message of unknown kind %d from %s:%s:%s",
+            envelope.kind,
+            envelope.source,
+            envelope.epoch,
+            envelope.seq,
+        )
+        return None
+
+    def _note_yielded(self, item: Item) -> None:
+        if isinstance(item, Message):
+            self._yielded[item.source] = SourceCursor(item.epoch, item.seq, item.position)
+        else:
+            last = self._yielded.get(item.source)
+            same_epoch = last is not None and last.epoch == item.epoch
+            seq = item.lost[1] if item.lost else (last.seq if last and same_epoch else 0)
+            position = last.position if last else None
+            self._yielded[item.source] = SourceCursor(item.epoch, seq, position)
+
+
+class _Oversized(Exception):
+    pass
+
+
+def _missing(state: _SourceState) -> set[int]:
+    return set(range(state.seq + 1, max(state.held))) - state.held.keys() if state.held else set()
+
+
+def subscribe(
+    stream: str | None = None,
+    url: str | None = None,
+    sources: Collection[str] | None = None,
+    cursor: Cursor | bytes | str | None = None,
+    **options: Any,
+) -> Subscription:
+    """Subscribe to ``stream`` (default ``$KVBUS_STREAM`` or ``kv``) on ``url`` (default
+    ``$KVBUS_URL`` or ``memory://``).
+
+    ``sources`` limits delivery to those publishers. ``cursor``: ``None`` starts at the
+    oldest message the transport retains, ``"latest"`` at the next one published, a
+    `Cursor` (or its bytes) where a previous subscription left off. Other options:
+    ``follow`` (default True; False ends at the end of history), ``gap_timeout``
+    (seconds to wait for missing seqs before declaring them lost),
+    ``max_message_bytes``, ``transport``.
+
+    Use as ``async for item in kvbus.subscribe(...)``: each item is a `Message` or a
+    `Resync`.
+    """
+    return Subscription(stream, url, sources, cursor, **options)
+
+
+__all__ = [
+    "Cursor",
+    "Message",
+    "Resync",
+    "ResyncReason",
+    "SourceCursor",
+    "Subscription",
+    "SubscriptionStats",
+    "subscribe",
+]

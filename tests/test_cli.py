@@ -1,0 +1,62 @@
+"""The kvbus command, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvbus
+from kvbus.cli import main
+
+from .conftest import envelope
+
+
+def test_import_kvbus_pulls_in_no_backend_or_engine() -> None:
+    code = (
+        "import sys, kvbus; heavy = [m for m in ('zmq', 'nats', 'redis', 'torch', 'vllm', "
+        "'prometheus_client') if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_demo_console_script_prints_what_arrives() -> None:
+    script = Path(sys.executable).with_name("kvbus")  # the installed console script
+    out = subprocess.run(
+        [str(script), "demo", "--steps", "5"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    lines = out.splitlines()
+    assert lines[1].startswith("control  demo-engine seq=1") and "SourceStarted" in lines[1]
+    assert sum("events=BlockStored" in line for line in lines) == 5
+    assert "AllBlocksCleared cached_blocks=0" in out
+    assert "delivered 8 messages, 0 resyncs" in lines[-1]
+
+
+def test_tail_prints_json_lines_and_resumes_from_cursor_file(
+    memory_url: str, tmp_path: object, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    import asyncio
+
+    from .conftest import append_raw
+
+    asyncio.run(append_raw(memory_url, [envelope("a", 5, 1), envelope("a", 5, 3)]))
+    cursor_file = f"{tmp_path}/cursor.json"
+    assert main(["tail", "--url", memory_url, "--no-follow", "--cursor-file", cursor_file]) == 0
+    rows = [json.loads(line) for line in capsysbinary.readouterr().out.splitlines()]
+    assert [r["type"] for r in rows] == ["message", "resync", "message"]
+    assert rows[0]["body"]["events"][0]["type"] == "BlockStored"
+    assert rows[1]["reason"] == "gap" and rows[1]["lost"] == [2, 2]
+    assert (rows[2]["source"], rows[2]["epoch"], rows[2]["seq"]) == ("a", 5, 3)
+    asyncio.run(append_raw(memory_url, [envelope("a", 5, 4)]))
+    assert main(["tail", "--url", memory_url, "--no-follow", "--cursor-file", cursor_file]) == 0
+    rows = [json.loads(line) for line in capsysbinary.readouterr().out.splitlines()]
+    assert [(r["type"], r["seq"]) for r in rows] == [("message", 4)]
+    assert kvbus.Cursor.from_bytes(open(cursor_file, "rb").read()).sources["a"].seq == 4

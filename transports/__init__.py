@@ -1,0 +1,100 @@
+"""Transports: where envelopes are stored and read back.
+
+A transport is deliberately small (see `Transport`): append encoded envelopes, read
+them back from a position (history, then optionally the live tail), close. Ordering
+by source and seq, deduplication, gap repair and resync are done once, in
+`kvbus.subscribe`, for every backend.
+
+Backends are imported when their URL scheme is first used, so ``import kvbus`` pulls
+in no client library.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Final, TypeAlias
+from urllib.parse import urlsplit
+
+import msgspec
+
+Position: TypeAlias = int | str
+"""Where an entry sits in a stream; opaque to everything but its transport."""
+
+LATEST: Final = "$"
+"""A position meaning "after the newest entry stored when the read starts"."""
+
+
+class Record(msgspec.Struct, frozen=True, gc=False):
+    """One message to append."""
+
+    source: str
+    msg_id: str
+    """``source:epoch:seq``: backends with server-side dedup key on it."""
+    data: bytes
+    """The encoded envelope."""
+
+
+class Entry(msgspec.Struct, frozen=True, gc=False):
+    """One stored message, as read back."""
+
+    position: int | str
+    data: bytes
+
+
+class Transport(abc.ABC):
+    """The interface every backend implements.
+
+    Delivery contract: ``append`` returns once the backend has accepted the records
+    (each backend's docstring says how durable that is) and raises if it could not,
+    in which case the caller retries; a retried append may store a record twice (the
+    subscriber drops the duplicate). ``read`` yields entries in the stream's order.
+    Entries may be missing from a read (trimmed history, a lossy live path); the
+    subscriber detects that from the per-source seqs and asks ``read`` again for
+    history, so a backend never has to hide a loss, only to never invent one.
+    """
+
+    @abc.abstractmethod
+    async def append(self, stream: str, records: Sequence[Record]) -> None:
+        """Store ``records`` in order at the end of ``stream``."""
+
+    @abc.abstractmethod
+    def read(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Entry]:
+        """Entries after position ``after`` (``None``: from the oldest retained one;
+        ``LATEST``: from the first one appended after the read starts). With
+        ``follow`` the iterator then waits for new entries forever; without it, it ends
+        at the newest entry stored when the read started."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional for backends with no resources
+        """Release connections; the transport is not used afterwards."""
+
+
+TransportFactory: TypeAlias = Callable[[str], Transport]
+
+_BACKENDS: dict[str, str | TransportFactory] = {
+    "memory": "kvbus.transports.memory:MemoryTransport",
+}
+
+
+def register(scheme: str, factory: str | TransportFactory) -> None:
+    """Make ``scheme://`` URLs open ``factory(url)``; a string is ``"module:attr"``,
+    imported on first use."""
+    _BACKENDS[scheme] = factory
+
+
+def open_transport(url: str) -> Transport:
+    """A transport for ``url``, importing its backend now if this is the first use."""
+    scheme = urlsplit(url).scheme
+    try:
+        factory = _BACKENDS[scheme]
+    except KeyError:
+        known = ", ".join(sorted(_BACKENDS))
+        raise ValueError(f"no kvbus transport for {url!r} (schemes: {known})") from None
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        _BACKENDS[scheme] = factory
+    return factory(url)

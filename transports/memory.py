@@ -1,0 +1,119 @@
+"""``memory://[NAME][?maxlen=N]``: an in-process bus, for tests and single-process use.
+
+Every transport opened with the same NAME in one process shares the same streams,
+whatever thread or event loop uses it (the publisher's sender runs in its own thread).
+Each stream keeps its newest ``maxlen`` entries (default 100,000); a reader that falls
+further behind than that resumes at the oldest retained entry, and the subscriber
+reports what was trimmed as an unrecoverable gap.
+
+Delivery: an append is durable for the life of the process; reads never skip a
+retained entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from urllib.parse import parse_qs, urlsplit
+
+from kvbus.transports import LATEST, Entry, Position, Record, Transport
+
+DEFAULT_MAXLEN = 100_000
+
+
+class _Stream:
+    """A bounded log shared across threads; positions count appends from 1."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.lock = threading.Lock()
+        self.entries: deque[Entry] = deque(maxlen=maxlen)
+        self.last_position = 0
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def append(self, records: Sequence[Record]) -> None:
+        with self.lock:
+            for record in records:
+                self.last_position += 1
+                self.entries.append(Entry(self.last_position, record.data))
+            waiters, self.waiters = self.waiters, []
+        for loop, future in waiters:
+            loop.call_soon_threadsafe(_wake, future)
+
+    def after(self, position: int) -> list[Entry]:
+        """Retained entries after ``position`` (all retained ones if it was trimmed)."""
+        with self.lock:
+            if not self.entries or position >= self.last_position:
+                return []
+            first = int(self.entries[0].position)
+            start = max(0, position + 1 - first)
+            return [self.entries[i] for i in range(start, len(self.entries))]
+
+    def wait_after(self, position: int) -> asyncio.Future[None] | None:
+        """A future resolved on the next append, or None if there is already news."""
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            if self.last_position > position:
+                return None
+            future: asyncio.Future[None] = loop.create_future()
+            self.waiters.append((loop, future))
+            return future
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+_buses: dict[str, dict[str, _Stream]] = {}
+_buses_lock = threading.Lock()
+
+
+class MemoryTransport(Transport):
+    def __init__(self, url: str = "memory://") -> None:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        self.maxlen = int(query.get("maxlen", [DEFAULT_MAXLEN])[0])
+        if self.maxlen < 1:
+            raise ValueError(f"maxlen must be >= 1 in {url!r}")
+        with _buses_lock:
+            self._streams = _buses.setdefault(parts.netloc or "default", {})
+
+    def _stream(self, name: str) -> _Stream:
+        with _buses_lock:
+            stream = self._streams.get(name)
+            if stream is None:
+                stream = self._streams[name] = _Stream(self.maxlen)
+            return stream
+
+    async def append(self, stream: str, records: Sequence[Record]) -> None:
+        self._stream(stream).append(records)
+
+    async def read(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Entry]:
+        log = self._stream(stream)
+        if after == LATEST:
+            position = log.last_position
+        else:
+            position = int(after or 0)
+        end = log.last_position
+        while True:
+            batch = log.after(position)
+            for entry in batch:
+                position = int(entry.position)
+                if not follow and position > end:
+                    return
+                yield entry
+            if not follow:
+                return
+            future = log.wait_after(position)
+            if future is not None:
+                await future
+
+
+def reset(name: str = "default") -> None:
+    """Forget every stream of the bus NAME (for tests)."""
+    with _buses_lock:
+        _buses.pop(name, None)
