@@ -66,6 +66,7 @@ class Publisher:
         max_batch: most messages handed to the transport in one append.
         max_message_bytes: larger envelopes are dropped (and announced as lost).
         data_parallel_rank: recorded in the epoch's ``SourceStarted`` message.
+        transport: an already opened transport to use instead of opening ``url``.
     """
 
     def __init__(
@@ -166,8 +167,8 @@ class Publisher:
                 continue
             records = []
             for seq, kind, payload, ts in batch:
-                data = encode_envelope(
-                    Envelope(
+                try:
+                    envelope = Envelope(
                         SCHEMA_VERSION,
                         kind,
                         self.source,
@@ -177,20 +178,23 @@ class Publisher:
                         payload if isinstance(payload, bytes) else encode(payload),
                         lost_from=0 if seq == last_sent + 1 else last_sent + 1,
                     )
-                )
+                    data = encode_envelope(envelope)
+                except (TypeError, ValueError) as error:  # a payload msgspec cannot encode
+                    self.stats.dropped += 1
+                    self._settled += 1
+                    log.error("kvbus: dropped unencodable message %s: %s", seq, error)
+                    continue
                 if len(data) > self._max_message_bytes:
                     self.stats.dropped += 1
                     self._settled += 1
                     log.error(
-                        "kvbus: dropped message %s:%s:%s of %d bytes (max_message_bytes=%d)",
-                        self.source,
-                        self.epoch,
-                        seq,
+                        "kvbus: dropped message %s of %d bytes (max_message_bytes=%d)",
+                        envelope.msg_id,
                         len(data),
                         self._max_message_bytes,
                     )
                     continue
-                records.append(Record(self.source, f"{self.source}:{self.epoch}:{seq}", data))
+                records.append(Record(self.source, envelope.msg_id, data))
                 last_sent = seq
             if records:
                 await self._append(records)

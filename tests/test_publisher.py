@@ -128,3 +128,13 @@ async def test_usable_from_asyncio(memory_url: str) -> None:
         assert await p.aflush()
     items, _ = await collect(memory_url)
     assert [i.seq for i in items if isinstance(i, Message)] == [1, 2, 3]
+
+
+async def test_unencodable_payload_is_dropped_and_the_sender_survives(memory_url: str) -> None:
+    async with kvbus.Publisher(memory_url, source="e") as p:
+        p.publish(object())  # type: ignore[arg-type]
+        p.publish(kv_payload(3))
+    assert p.stats.dropped == 1
+    items, _ = await collect(memory_url)
+    assert Resync("e", p.epoch, ResyncReason.DROPPED, (2, 2)) in items
+    assert [i.seq for i in items if isinstance(i, Message)] == [1, 3, 4]
