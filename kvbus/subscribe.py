@@ -113,6 +113,7 @@ class SubscriptionStats(msgspec.Struct):
     delivered: int = 0
     resyncs: int = 0
     duplicates: int = 0
+    """Copies dropped, including live copies of messages already repaired from history."""
     stale: int = 0
     """Messages of an epoch older than the newest seen for their source."""
     gaps_repaired: int = 0
@@ -325,10 +326,10 @@ class Subscription:
     ) -> None:
         source = envelope.source
         state = self._states.get(source)
+        # A first message that is not seq 1 is an ordinary gap: the earlier seqs may
+        # still arrive (reordered) or be in history; JOINED is declared only on expiry.
         if state is None:
             state = self._states[source] = _SourceState(source, envelope.epoch, 0, previous)
-            if envelope.seq > 1 and envelope.lost_from != 1:
-                self._resync(state, ResyncReason.JOINED, envelope.seq - 1)
         elif envelope.epoch < state.epoch:
             self.stats.stale += 1
             return
@@ -337,8 +338,7 @@ class Subscription:
             state.epoch, state.seq, state.position = envelope.epoch, 0, previous
             state.held.clear()
             state.gap_deadline = None
-            lost_to = envelope.seq - 1 if envelope.seq > 1 and envelope.lost_from != 1 else 0
-            self._resync(state, ResyncReason.NEW_EPOCH, lost_to, old_epoch)
+            self._resync(state, ResyncReason.NEW_EPOCH, 0, old_epoch)
         if envelope.seq <= state.seq or envelope.seq in state.held:
             self.stats.duplicates += 1
             return
@@ -394,7 +394,7 @@ class Subscription:
         lost = (state.seq + 1, lost_to) if lost_to > state.seq else None
         if lost is not None:
             state.seq = lost_to
-        if reason in (ResyncReason.GAP, ResyncReason.DROPPED):
+        if lost is not None:
             self.stats.gaps_lost += 1
         self.stats.resyncs += 1
         log.info(
@@ -436,7 +436,8 @@ class Subscription:
                 continue
             await self._repair(source, state)
             while state.held:
-                self._resync(state, ResyncReason.GAP, min(state.held) - 1)
+                reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
+                self._resync(state, reason, min(state.held) - 1)
                 self._release(state)
             state.gap_deadline = None
 
