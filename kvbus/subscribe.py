@@ -279,11 +279,7 @@ class Subscription:
 
     def _open(self, entry: Entry, *, count: bool) -> Envelope | None:
         """The entry's envelope if it is one we should consider, else None."""
-        try:
-            if len(entry.data) > self._max_message_bytes:
-                raise _Oversized
-            envelope = decode_envelope(entry.data)
-        except _Oversized:
+        if len(entry.data) > self._max_message_bytes:
             if count:
                 self.stats.oversized += 1
                 log.warning(
@@ -294,6 +290,8 @@ class Subscription:
                     self._max_message_bytes,
                 )
             return None
+        try:
+            envelope = decode_envelope(entry.data)
         except FutureVersionError as error:
             if count:
                 self.stats.future_version += 1
@@ -492,10 +490,6 @@ class Subscription:
             seq = item.lost[1] if item.lost else (last.seq if last and same_epoch else 0)
             position = last.position if last else None
             self._yielded[item.source] = SourceCursor(item.epoch, seq, position)
-
-
-class _Oversized(Exception):
-    pass
 
 
 def _missing(state: _SourceState) -> set[int]:
