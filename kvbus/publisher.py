@@ -180,24 +180,25 @@ class Publisher:
                     )
                     data = encode_envelope(envelope)
                 except (TypeError, ValueError) as error:  # a payload msgspec cannot encode
-                    self.stats.dropped += 1
-                    self._settled += 1
-                    log.error("kvbus: dropped unencodable message %s: %s", seq, error)
+                    self._drop_taken(f"unencodable message {seq}: {error}")
                     continue
                 if len(data) > self._max_message_bytes:
-                    self.stats.dropped += 1
-                    self._settled += 1
-                    log.error(
-                        "kvbus: dropped message %s of %d bytes (max_message_bytes=%d)",
-                        envelope.msg_id,
-                        len(data),
-                        self._max_message_bytes,
+                    self._drop_taken(
+                        f"message {envelope.msg_id} of {len(data)} bytes "
+                        f"(max_message_bytes={self._max_message_bytes})"
                     )
                     continue
                 records.append(Record(self.source, envelope.msg_id, data))
                 last_sent = seq
             if records:
                 await self._append(records)
+
+    def _drop_taken(self, what: str) -> None:
+        """Drop a message the sender took from the queue; the next one sent carries
+        the gap marker that announces it."""
+        self.stats.dropped += 1
+        self._settled += 1
+        log.error("kvbus: dropped %s", what)
 
     def _take_batch(self) -> list[_Queued]:
         batch: list[_Queued] = []

@@ -392,7 +392,6 @@ class Subscription:
         lost = (state.seq + 1, lost_to) if lost_to > state.seq else None
         if lost is not None:
             state.seq = lost_to
-        if lost is not None:
             self.stats.gaps_lost += 1
         self.stats.resyncs += 1
         log.info(
