@@ -28,7 +28,7 @@ from kvbus.config import resolve_source, resolve_stream, resolve_url
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.events import SourceStarted, SourceStopped, encode
 from kvbus.retry import retry_forever
-from kvbus.transports import Record, Transport, open_transport
+from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
 
 log = logging.getLogger("kvbus.publisher")
 
@@ -214,7 +214,13 @@ class Publisher:
         retrying = retry_forever(f"append to {self.url}", count, log)
         async for attempt in retrying:
             with attempt:
-                await self._transport.append(self.stream, records)
+                while records:
+                    try:
+                        await self._transport.append(self.stream, records)
+                        break
+                    except RecordTooLarge as error:  # nothing of this call was stored
+                        records = [r for r in records if r.msg_id != error.msg_id]
+                        self._drop_taken(str(error))
         self.stats.sent += len(records)
         self._settled += len(records)
 

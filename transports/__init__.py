@@ -43,6 +43,18 @@ class Entry(msgspec.Struct, frozen=True, gc=False):
     data: bytes
 
 
+class RecordTooLarge(ValueError):
+    """A record exceeds what the backend accepts in one message (NATS ``max_payload``).
+
+    Raised by ``append`` before anything of the call is stored; the publisher drops
+    that record, announces it as lost and appends the rest.
+    """
+
+    def __init__(self, msg_id: str, size: int, limit: int) -> None:
+        super().__init__(f"message {msg_id} of {size} bytes exceeds the backend's {limit}")
+        self.msg_id = msg_id
+
+
 class Transport(abc.ABC):
     """The interface every backend implements.
 
@@ -76,6 +88,11 @@ TransportFactory: TypeAlias = Callable[[str], Transport]
 
 _BACKENDS: dict[str, str | TransportFactory] = {
     "memory": "kvbus.transports.memory:MemoryTransport",
+    "zmq": "kvbus.transports.zmq:ZmqTransport",
+    "nats": "kvbus.transports.nats:NatsTransport",
+    "tls": "kvbus.transports.nats:NatsTransport",
+    "redis": "kvbus.transports.redis:RedisTransport",
+    "rediss": "kvbus.transports.redis:RedisTransport",
 }
 
 

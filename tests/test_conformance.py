@@ -1,0 +1,269 @@
+"""One conformance suite, run unchanged against every transport (memory://, zmq://,
+nats:// and redis://, the last two against real servers started by fixtures)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import kvbus
+from kvbus import Message, Resync, ResyncReason
+from kvbus.events import BlockStored, KVEventBatch, SourceStarted, encode
+
+from .conftest import Bus, Item, kv_payload, last_seq_is, read_until, seqs
+
+
+def kv_messages(items: list[Item], source: str | None = None) -> list[Message]:
+    return [
+        i
+        for i in items
+        if isinstance(i, Message)
+        and i.kind == kvbus.Kind.KV
+        and (source is None or i.source == source)
+    ]
+
+
+async def history(bus: Bus, **options: object) -> tuple[list[Item], kvbus.Subscription]:
+    sub = bus.subscribe(follow=False, **options)  # type: ignore[arg-type]
+    items = [item async for item in sub]
+    await sub.aclose()
+    return items, sub
+
+
+async def test_order_without_duplicates(bus: Bus) -> None:
+    publisher = bus.publisher("engine-a", max_batch=7)  # several packs per stream
+    payloads = [kv_payload(i, 16) for i in range(500)]
+    for payload in payloads:
+        publisher.publish(payload)
+    assert publisher.flush()
+    items, sub = await history(bus)
+    assert seqs(items) == list(range(1, 502))  # SourceStarted + 500
+    assert [m.payload for m in kv_messages(items)] == payloads
+    assert not [i for i in items if isinstance(i, Resync)]
+    assert sub.stats.duplicates == sub.stats.malformed == 0
+    publisher.close()
+
+
+async def test_replay_from_any_cursor(bus: Bus) -> None:
+    publisher = bus.publisher("engine-a", max_batch=16)
+    for i in range(100):
+        publisher.publish(kv_payload(i))
+    assert publisher.flush()
+    # Cursors taken after every k-th item, including inside packs, resume exactly.
+    for k in (1, 2, 15, 16, 17, 50, 100, 101):
+        sub = bus.subscribe(follow=False)
+        first = []
+        async for item in sub:
+            first.append(item)
+            if len(first) == k:
+                break
+        cursor = sub.cursor.to_bytes()
+        await sub.aclose()
+        rest, _ = await history(bus, cursor=cursor)
+        assert seqs(first) + seqs(rest) == list(range(1, 102)), k
+    publisher.close()
+
+
+async def test_multiple_sources_interleaved(bus: Bus) -> None:
+    publishers = [bus.publisher(f"engine-{n}", max_batch=5) for n in range(3)]
+    for i in range(200):
+        publishers[i % 3].publish(kv_payload(i))
+    for publisher in publishers:
+        assert publisher.flush()
+    items, _ = await history(bus)
+    for n, publisher in enumerate(publishers):
+        expected = len(range(n, 200, 3)) + 1
+        assert seqs(items, publisher.source) == list(range(1, expected + 1))
+    for publisher in publishers:
+        publisher.close()
+
+
+async def test_multiple_subscribers_each_get_everything(bus: Bus) -> None:
+    subs = [bus.subscribe() for _ in range(3)]
+    readers = [asyncio.create_task(read_until(s, last_seq_is("engine-a", 301))) for s in subs]
+    await asyncio.sleep(0.3)
+    publisher = bus.publisher("engine-a")
+    for i in range(300):
+        publisher.publish(kv_payload(i))
+        if i % 50 == 0:
+            await asyncio.sleep(0.01)
+    for reader, sub in zip(readers, subs, strict=True):
+        assert seqs(await reader) == list(range(1, 302))
+        await sub.aclose()
+    publisher.close()
+
+
+async def test_large_messages(bus: Bus) -> None:
+    big = KVEventBatch(
+        time.time(),
+        [BlockStored([1], None, list(range(1000, 1000 + 300_000)), 16, None, "GPU", None)],
+    )
+    payload = encode(big)
+    assert len(payload) > 1024 * 1024
+    publisher = bus.publisher("engine-a", max_message_bytes=4 * 1024 * 1024)
+    small = kv_payload(7)
+    for _ in range(3):
+        publisher.publish(payload)
+        publisher.publish(small)
+    assert publisher.flush(30)
+    items, _ = await history(bus)
+    assert [m.payload for m in kv_messages(items)] == [payload, small] * 3
+    assert kv_messages(items)[0].body == big
+    publisher.close()
+
+
+async def test_empty_stream_ends(bus: Bus) -> None:
+    items, sub = await history(bus)
+    assert items == []
+    assert sub.stats.delivered == 0
+
+
+async def test_subscriber_started_before_the_publisher(bus: Bus) -> None:
+    sub = bus.subscribe()
+    reader = asyncio.create_task(read_until(sub, last_seq_is("engine-a", 101)))
+    await asyncio.sleep(0.5)
+    publisher = bus.publisher("engine-a")
+    for i in range(100):
+        publisher.publish(kv_payload(i))
+    items = await reader
+    assert seqs(items) == list(range(1, 102))
+    assert isinstance(items[0], Message) and isinstance(items[0].body, SourceStarted)
+    await sub.aclose()
+    publisher.close()
+
+
+async def test_subscriber_started_after_the_publisher(bus: Bus) -> None:
+    publisher = bus.publisher("engine-a")
+    for i in range(100):
+        publisher.publish(kv_payload(i))
+    assert publisher.flush()
+    sub = bus.subscribe()
+    reader = asyncio.create_task(read_until(sub, last_seq_is("engine-a", 201)))
+    await asyncio.sleep(0.3)
+    for i in range(100):  # history first, then the live tail, with nothing in between
+        publisher.publish(kv_payload(i))
+    items = await reader
+    assert seqs(items) == list(range(1, 202))
+    await sub.aclose()
+    publisher.close()
+
+
+async def test_latest_skips_history(bus: Bus) -> None:
+    publisher = bus.publisher("engine-a")
+    for i in range(10):
+        publisher.publish(kv_payload(i))
+    assert publisher.flush()
+    sub = bus.subscribe(cursor="latest", gap_timeout=0.2)
+    reader = asyncio.create_task(read_until(sub, last_seq_is("engine-a", 16)))
+    await asyncio.sleep(0.5)
+    for i in range(5):
+        publisher.publish(kv_payload(i))
+    items = await reader
+    # Joining mid-epoch is announced; only the new messages are delivered.
+    assert items[0] == Resync("engine-a", publisher.epoch, ResyncReason.JOINED, (1, 11))
+    assert seqs(items) == list(range(12, 17))
+    await sub.aclose()
+    publisher.close()
+
+
+async def test_subscriber_restarted_with_saved_cursor(bus: Bus) -> None:
+    """Killed mid-stream (its task cancelled, no clean close) and restarted from the
+    cursor it saved: nothing lost, nothing applied twice."""
+    publisher = bus.publisher("engine-a", max_batch=8)
+    applied: list[int] = []
+    saved = b""
+
+    async def consume(cursor: bytes | None, stop_after: int | None) -> None:
+        nonlocal saved
+        sub = bus.subscribe(cursor=cursor or None)
+        async for item in sub:
+            assert isinstance(item, Message), item
+            applied.append(item.seq)
+            saved = sub.cursor.to_bytes()  # persisted together with the applied state
+            if stop_after is not None and len(applied) >= stop_after:
+                await asyncio.sleep(3600)  # killed here
+
+    first = asyncio.create_task(consume(None, 120))
+    for i in range(400):
+        publisher.publish(kv_payload(i))
+        if i % 20 == 0:
+            await asyncio.sleep(0.005)
+        if len(applied) >= 120 and not first.done():
+            first.cancel()
+    assert publisher.flush()
+    if not first.done():
+        first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    second = asyncio.create_task(consume(saved, None))
+    deadline = time.monotonic() + 30
+    while (not applied or applied[-1] < 401) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+    assert applied == list(range(1, 402))
+    publisher.close()
+
+
+async def test_publisher_restart_starts_a_new_epoch(bus: Bus) -> None:
+    sub = bus.subscribe()
+    first = bus.publisher("engine-a")
+    for i in range(20):
+        first.publish(kv_payload(i))
+    items = await read_until(sub, last_seq_is("engine-a", 21))
+    first.close()
+    second = bus.publisher("engine-a")
+    assert second.epoch > first.epoch
+    for i in range(20):
+        second.publish(kv_payload(100 + i))
+    rest = await read_until(
+        sub,
+        lambda got: any(isinstance(i, Message) and i.epoch == second.epoch and i.seq == 21 for i in got),
+    )
+    resync = next(i for i in rest if isinstance(i, Resync))
+    assert resync.reason == ResyncReason.NEW_EPOCH
+    assert resync.epoch == second.epoch and resync.previous_epoch == first.epoch
+    after = rest[rest.index(resync) + 1 :]
+    # The control message of the new epoch comes before any of its data.
+    assert isinstance(after[0], Message) and isinstance(after[0].body, SourceStarted)
+    assert [m.seq for m in after if isinstance(m, Message)] == list(range(1, 22))
+    assert seqs(items) == list(range(1, 22))
+    await sub.aclose()
+    second.close()
+
+
+async def test_trimmed_history_is_reported_as_a_gap(bus: Bus) -> None:
+    """Retention dropped messages a cursor still needs: an explicit Resync names exactly
+    the seqs that are gone; nothing is skipped silently."""
+    url = bus.url(**{bus.retention: 20})
+    publisher = bus.publisher("engine-a", url=url)
+    publisher.publish(kv_payload(0))
+    assert publisher.flush()
+    sub = bus.subscribe(url, follow=False)
+    first = [item async for item in sub]
+    cursor = sub.cursor
+    await sub.aclose()
+    assert seqs(first) == [1, 2]
+    for i in range(300):  # separate appends, so each is its own stored entry
+        publisher.publish(kv_payload(i))
+        assert publisher.flush()
+    items, _ = await history(bus, url=url, cursor=cursor, gap_timeout=0.2)
+    resync = items[0]
+    assert isinstance(resync, Resync) and resync.reason == ResyncReason.GAP
+    assert resync.lost is not None
+    delivered = seqs(items)
+    assert resync.lost == (3, delivered[0] - 1)
+    assert delivered == list(range(delivered[0], 303))
+    publisher.close()
+
+
+async def test_malformed_entries_are_skipped(bus: Bus) -> None:
+    """Garbage stored next to good messages is counted and skipped."""
+    publisher = bus.publisher("engine-a")
+    publisher.publish(b"\xc1 not msgpack")  # a KV payload that does not decode
+    publisher.publish(kv_payload(1))
+    assert publisher.flush()
+    items, sub = await history(bus)
+    assert seqs(items) == [1, 3]
+    assert sub.stats.malformed == 1
+    publisher.close()
+

@@ -1,0 +1,271 @@
+"""``nats://[USER:PASS@]HOST:PORT[,HOST:PORT...][?OPTIONS]``: NATS JetStream.
+
+``tls://`` connects with TLS, and credentials in the URL are used the way nats-py uses
+them. Each kvbus stream is a JetStream stream ``KVBUS_<stream>`` on the subjects
+``kvbus.<stream>.<source>`` (a ``.``, ``*`` or ``>`` in a source is %-escaped). It is
+created on first use with file storage; these query options set its limits, and an
+existing stream is updated to them when given:
+
+=================== ============================================================
+``max_age``         seconds a message is kept (default: forever)
+``max_bytes``       bytes kept (default: unlimited)
+``max_msgs``        stored entries kept (an entry packs one append's messages)
+``replicas``        JetStream replicas (default 1)
+``storage``         ``file`` (default) or ``memory``
+``duplicate_window`` seconds the server remembers message ids (default 120)
+``durable``         a durable consumer name: a subscription started with no cursor
+                    resumes where the last one with this name stopped reading
+``timeout``         seconds to wait for acks and idle reads (default 5)
+=================== ============================================================
+
+Delivery: ``append`` returns once JetStream acknowledged every record (stored per the
+stream's storage and the server's ``sync_interval``; use ``sync_interval: always`` to
+survive a machine crash, not only a server crash). Each stored entry carries
+``Nats-Msg-Id`` = ``source:epoch:seq+count`` of its records, so a retried append within
+the duplicate window is dropped by the server. All packs of an append are in flight
+together (``publish_async``), never one round trip per message. Reads use an ordered
+consumer from a stream sequence and reconnect forever through nats-py's own
+reconnection; a read that stops making progress while the stream grows is restarted
+from its position. Positions are ``stream_seq << 16 | index``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
+from urllib.parse import parse_qs, quote, urlsplit
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext, api
+
+from kvbus.transports import LATEST, Entry, Position, Record, Transport
+from kvbus.transports.packing import entries_after, make_packs, split_position
+
+log = logging.getLogger("kvbus.transports.nats")
+
+DEFAULT_TIMEOUT: Final = 5.0
+_HEADER_ROOM: Final = 512  # room left in max_payload for the headers of one message
+
+
+class StalledRead(ConnectionError):
+    """The consumer stopped delivering while the stream has newer messages."""
+
+
+def _subject_token(source: str) -> str:
+    return quote(source, safe="").replace(".", "%2E").replace("*", "%2A").replace(">", "%3E")
+
+
+class NatsTransport(Transport):
+    def __init__(self, url: str = "nats://") -> None:
+        parts = urlsplit(url)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        netloc = parts.netloc or "127.0.0.1:4222"
+        credentials, _, hosts = netloc.rpartition("@")
+        prefix = f"{parts.scheme}://{credentials + '@' if credentials else ''}"
+        self.servers = [prefix + host for host in hosts.split(",")]
+        self.timeout = float(query.pop("timeout", DEFAULT_TIMEOUT))
+        self.durable = query.pop("durable", None)
+        self._limits: dict[str, Any] = {}
+        for key, convert in (
+            ("max_age", float),
+            ("max_bytes", int),
+            ("max_msgs", int),
+            ("replicas", int),
+            ("duplicate_window", float),
+            ("storage", api.StorageType),
+        ):
+            if key in query:
+                self._limits["num_replicas" if key == "replicas" else key] = convert(
+                    query.pop(key)
+                )
+        if query:
+            raise ValueError(f"unknown nats:// options {sorted(query)} in {url!r}")
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._ready: set[str] = set()
+
+    async def _connect(self) -> JetStreamContext:
+        if self._js is None:
+            self._nc = await nats.connect(
+                self.servers,
+                name="kvbus",
+                max_reconnect_attempts=-1,  # reconnect forever
+                reconnect_time_wait=0.5,
+                connect_timeout=2,
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
+            )
+            self._js = self._nc.jetstream(timeout=self.timeout)
+        return self._js
+
+    async def _on_error(self, error: Exception) -> None:
+        log.debug("kvbus: nats: %r", error)
+
+    async def _on_disconnected(self) -> None:
+        if self._nc is not None and not (self._nc.is_closed or self._nc.is_draining):
+            log.warning("kvbus: nats disconnected from %s; reconnecting", self.servers)
+
+    async def _on_reconnected(self) -> None:
+        log.warning("kvbus: nats reconnected")
+
+    async def _stream(self, stream: str) -> str:
+        """The JetStream stream's name, created (or updated to the URL's limits) once."""
+        name = f"KVBUS_{stream}"
+        if stream in self._ready:
+            return name
+        js = await self._connect()
+        try:
+            info = await js.stream_info(name)
+            changed = {
+                k: v for k, v in self._limits.items() if getattr(info.config, k, None) != v
+            }
+            if changed:
+                await js.update_stream(info.config.evolve(**changed))
+        except nats.js.errors.NotFoundError:
+            config = {"storage": api.StorageType.FILE, **self._limits}
+            try:
+                await js.add_stream(name=name, subjects=[f"kvbus.{stream}.>"], **config)
+            except nats.js.errors.BadRequestError:  # created meanwhile by another client
+                pass
+        self._ready.add(stream)
+        return name
+
+    async def append(self, stream: str, records: Sequence[Record]) -> None:
+        await self._stream(stream)
+        js = await self._connect()
+        assert self._nc is not None
+        packs = make_packs(records, self._nc.max_payload - _HEADER_ROOM)
+        acks = [
+            await js.publish_async(
+                f"kvbus.{stream}.{_subject_token(pack.source)}",
+                pack.data,
+                headers={"Nats-Msg-Id": pack.msg_id},
+            )
+            for pack in packs
+        ]
+        await asyncio.wait_for(asyncio.gather(*acks), self.timeout)
+
+    async def read(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Entry]:
+        name = await self._stream(stream)
+        js = await self._connect()
+        state = (await js.stream_info(name)).state
+        end = state.last_seq
+        skip = -1
+        if after == LATEST:
+            start = end + 1
+        elif after is None or after == "":
+            start = None
+        else:
+            start, skip = split_position(int(after))
+        if not follow and end < (start or state.first_seq or 1):
+            return
+        if self.durable and start is None:
+            entries = self._read_durable(js, name, stream, end, follow)
+        else:
+            entries = self._read_ordered(js, name, stream, start, skip, end, follow)
+        async for entry in entries:
+            yield entry
+
+    async def _read_ordered(
+        self,
+        js: JetStreamContext,
+        name: str,
+        stream: str,
+        start: int | None,
+        skip: int,
+        end: int,
+        follow: bool,
+    ) -> AsyncIterator[Entry]:
+        sub = await js.subscribe(
+            f"kvbus.{stream}.>",
+            stream=name,
+            ordered_consumer=True,
+            idle_heartbeat=min(self.timeout / 2, 2.0),
+            config=api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.ALL
+                if start is None
+                else api.DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=start,
+            ),
+            pending_msgs_limit=4096,
+        )
+        seen = (start or 1) - 1
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=self.timeout)
+                except nats.errors.TimeoutError:
+                    state = (await js.stream_info(name)).state
+                    if not follow and (seen >= end or state.first_seq > end):
+                        return
+                    if state.last_seq > seen:
+                        raise StalledRead(f"nats read of {name} stuck after {seen}") from None
+                    continue
+                sequence = msg.metadata.sequence.stream
+                if start is not None and sequence > seen + 1 and seen == start - 1:
+                    log.warning(
+                        "kvbus: nats %s history lost: asked from %d, oldest retained %d",
+                        name,
+                        start,
+                        sequence,
+                    )
+                for position, data in entries_after(
+                    sequence, msg.data, skip if sequence == start else -1
+                ):
+                    yield Entry(position, data)
+                seen = sequence
+                if not follow and seen >= end:
+                    return
+        finally:
+            await _quietly(sub.unsubscribe())
+
+    async def _read_durable(
+        self, js: JetStreamContext, name: str, stream: str, end: int, follow: bool
+    ) -> AsyncIterator[Entry]:
+        """Resume where the last reader with this durable name stopped; the server keeps
+        that position, advanced (acked) as batches are read."""
+        sub = await js.pull_subscribe(
+            f"kvbus.{stream}.>",
+            durable=self.durable,
+            stream=name,
+            config=api.ConsumerConfig(ack_policy=api.AckPolicy.ALL),
+        )
+        try:
+            while True:
+                try:
+                    batch = await sub.fetch(64, timeout=self.timeout)
+                except nats.errors.TimeoutError:
+                    if follow:
+                        continue
+                    return
+                for msg in batch:
+                    sequence = msg.metadata.sequence.stream
+                    for position, data in entries_after(sequence, msg.data):
+                        yield Entry(position, data)
+                    if not follow and sequence >= end:
+                        await msg.ack()
+                        return
+                await batch[-1].ack()  # AckPolicy.ALL: acks the whole batch
+        finally:
+            await _quietly(sub.unsubscribe())
+
+    async def aclose(self) -> None:
+        if self._nc is not None:
+            nc, self._nc, self._js = self._nc, None, None
+            await _quietly(nc.drain())
+            await _quietly(nc.close())
+
+
+async def _quietly(call: Any) -> None:
+    try:
+        await asyncio.wait_for(call, 2)
+    except Exception as error:
+        log.debug("kvbus: nats cleanup: %r", error)
