@@ -102,16 +102,18 @@ async def kvbus_end_to_end(n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def vllm_end_to_end(n: int) -> float:
+def vllm_end_to_end(n: int, bind: str = "", connect: str = "") -> float:
+    """vLLM's ZmqEventPublisher on ``bind`` (default: inproc) -> SUB on ``connect``."""
     import zmq
     from vllm.distributed.kv_events import KVEventBatch as VBatch
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    endpoint = f"inproc://bench-e2e-{time.monotonic_ns()}"
-    publisher = ZmqEventPublisher(0, endpoint=endpoint, hwm=n + 10, max_queue_size=n + 10)
+    bind = bind or f"inproc://bench-e2e-{time.monotonic_ns()}"
+    publisher = ZmqEventPublisher(0, endpoint=bind, hwm=n + 10, max_queue_size=n + 10)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    sub.setsockopt(zmq.RCVHWM, n + 10)
+    sub.connect(connect or bind)
     time.sleep(0.2)  # slow-joiner: let the subscription reach the PUB socket
     decoder = msgspec.msgpack.Decoder(VBatch)
     batches = [vllm_batch16(i) for i in range(n)]

@@ -15,6 +15,7 @@ from kvbus.events import (
     BlockStored,
     KVEventBatch,
     LoadMetrics,
+    LossNotice,
     SourceStarted,
     SourceStopped,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "KVEventBatch",
     "Kind",
     "LoadMetrics",
+    "LossNotice",
     "Message",
     "Publisher",
     "PublisherStats",

@@ -106,7 +106,16 @@ class SourceStopped(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     dropped: int = 0
 
 
-ControlEvent: TypeAlias = SourceStarted | SourceStopped
+class LossNotice(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Sent by a publisher whose newest messages were dropped with nothing queued after
+    them: it takes the last dropped seq, and its gap marker announces the others, so
+    consumers learn of the loss now rather than at the next message."""
+
+    dropped: int = 0
+    """Messages dropped by this epoch so far."""
+
+
+ControlEvent: TypeAlias = SourceStarted | SourceStopped | LossNotice
 
 
 # --- decoding -------------------------------------------------------------------------

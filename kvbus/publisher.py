@@ -26,7 +26,7 @@ import msgspec
 from kvbus import __version__
 from kvbus.config import resolve_source, resolve_stream, resolve_url
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
-from kvbus.events import SourceStarted, SourceStopped, encode
+from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
 from kvbus.retry import retry_forever
 from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
 
@@ -103,6 +103,7 @@ class Publisher:
         self._loop = asyncio.new_event_loop()
         self._wakeup = asyncio.Event()
         self._settled = 0  # accepted messages the sender has sent or dropped
+        self._last_dropped = 0  # newest dropped seq
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"kvbus-publisher-{self.stream}", daemon=True
         )
@@ -131,6 +132,7 @@ class Publisher:
         seq = next(self._seqs)
         if self._closed or len(self._queue) >= self._max_queue:
             self.stats.dropped += 1
+            self._last_dropped = seq
             return False
         self._queue.append((seq, kind, payload, time.time()))
         self.stats.published += 1
@@ -155,6 +157,12 @@ class Publisher:
         last_sent = 0
         while True:
             batch = self._take_batch()
+            if not batch and self._last_dropped > last_sent:
+                # Nothing queued behind the newest drops: announce them now, under the
+                # last dropped seq (which nothing else can use, so no race with publish()).
+                notice = LossNotice(dropped=self.stats.dropped)
+                batch = [(self._last_dropped, Kind.CONTROL, notice, time.time())]
+                self._settled -= 1  # sending it settles nothing publish() accepted
             if not batch:
                 if self._closed:
                     return
@@ -180,12 +188,13 @@ class Publisher:
                     )
                     data = encode_envelope(envelope)
                 except (TypeError, ValueError) as error:  # a payload msgspec cannot encode
-                    self._drop_taken(f"unencodable message {seq}: {error}")
+                    self._drop_taken(seq, f"unencodable message {seq}: {error}")
                     continue
                 if len(data) > self._max_message_bytes:
                     self._drop_taken(
+                        seq,
                         f"message {envelope.msg_id} of {len(data)} bytes "
-                        f"(max_message_bytes={self._max_message_bytes})"
+                        f"(max_message_bytes={self._max_message_bytes})",
                     )
                     continue
                 records.append(Record(self.source, envelope.msg_id, data))
@@ -193,11 +202,12 @@ class Publisher:
             if records:
                 await self._append(records)
 
-    def _drop_taken(self, what: str) -> None:
+    def _drop_taken(self, seq: int, what: str) -> None:
         """Drop a message the sender took from the queue; the next one sent carries
         the gap marker that announces it."""
         self.stats.dropped += 1
         self._settled += 1
+        self._last_dropped = max(self._last_dropped, seq)
         log.error("kvbus: dropped %s", what)
 
     def _take_batch(self) -> list[_Queued]:
@@ -220,7 +230,7 @@ class Publisher:
                         break
                     except RecordTooLarge as error:  # nothing of this call was stored
                         records = [r for r in records if r.msg_id != error.msg_id]
-                        self._drop_taken(str(error))
+                        self._drop_taken(int(error.msg_id.rpartition(":")[2]), str(error))
         self.stats.sent += len(records)
         self._settled += len(records)
 

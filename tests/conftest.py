@@ -170,3 +170,12 @@ def last_seq_is(source: str, seq: int) -> Callable[[list[Item]], bool]:
     return lambda items: any(
         isinstance(i, kvbus.Message) and i.source == source and i.seq >= seq for i in items
     )
+
+
+def lost_seqs(items: Iterable[object]) -> set[int]:
+    """Every seq some Resync declared lost."""
+    out: set[int] = set()
+    for i in items:
+        if isinstance(i, kvbus.Resync) and i.lost:
+            out.update(range(i.lost[0], i.lost[1] + 1))
+    return out

@@ -59,7 +59,7 @@ class Server:
         raise NotImplementedError
 
     def start(self) -> None:
-        log = open(self.data_dir / f"{self.name}.log", "ab")  # noqa: SIM115 - owned by the process
+        log = open(self.data_dir / f"{self.name}.log", "ab")
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir
         )
@@ -188,4 +188,3 @@ class CuttableProxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-

@@ -196,7 +196,7 @@ async def test_subscriber_restarted_with_saved_cursor(bus: Bus) -> None:
     await asyncio.gather(first, return_exceptions=True)
     second = asyncio.create_task(consume(saved, None))
     deadline = time.monotonic() + 30
-    while (not applied or applied[-1] < 401) and time.monotonic() < deadline:
+    while (not applied or applied[-1] < 401) and time.monotonic() < deadline:  # noqa: ASYNC110 - polls a task
         await asyncio.sleep(0.05)
     second.cancel()
     await asyncio.gather(second, return_exceptions=True)
@@ -217,7 +217,9 @@ async def test_publisher_restart_starts_a_new_epoch(bus: Bus) -> None:
         second.publish(kv_payload(100 + i))
     rest = await read_until(
         sub,
-        lambda got: any(isinstance(i, Message) and i.epoch == second.epoch and i.seq == 21 for i in got),
+        lambda got: any(
+            isinstance(i, Message) and i.epoch == second.epoch and i.seq == 21 for i in got
+        ),
     )
     resync = next(i for i in rest if isinstance(i, Resync))
     assert resync.reason == ResyncReason.NEW_EPOCH
@@ -266,4 +268,3 @@ async def test_malformed_entries_are_skipped(bus: Bus) -> None:
     assert seqs(items) == [1, 3]
     assert sub.stats.malformed == 1
     publisher.close()
-

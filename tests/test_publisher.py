@@ -12,9 +12,9 @@ from kvbus.transports import Record
 from kvbus.transports.memory import MemoryTransport
 
 import kvbus
-from kvbus import Message, Resync, ResyncReason
+from kvbus import LossNotice, Message, Resync, ResyncReason
 
-from .conftest import collect, kv_payload
+from .conftest import collect, kv_payload, lost_seqs
 
 
 class StalledTransport(MemoryTransport):
@@ -33,14 +33,6 @@ class StalledTransport(MemoryTransport):
                 raise ConnectionError("backend down")
             await asyncio.to_thread(self.released.wait)
         await super().append(stream, records)
-
-
-def lost_seqs(items: list[object]) -> set[int]:
-    out: set[int] = set()
-    for i in items:
-        if isinstance(i, Resync) and i.lost:
-            out.update(range(i.lost[0], i.lost[1] + 1))
-    return out
 
 
 @pytest.mark.parametrize("mode", ["stalled", "down"])
@@ -71,7 +63,11 @@ def test_publish_never_blocks_and_losses_are_exact(memory_url: str, mode: str) -
     lost = lost_seqs(items)
     total = 1 + 200 + 5 + 1  # SourceStarted, the stalled burst, the recovery, SourceStopped
     assert delivered | lost == set(range(1, total + 1)) and not delivered & lost
-    assert len(lost) == publisher.stats.dropped
+    # Once the backend recovered, the newest drop (nothing queued behind it) was
+    # announced at once by a LossNotice carrying that seq.
+    notices = [i for i in items if isinstance(i, Message) and isinstance(i.body, LossNotice)]
+    assert len(notices) == 1 and notices[0].seq == max(lost) + 1
+    assert len(lost) + 1 == publisher.stats.dropped
     assert all(i.reason is ResyncReason.DROPPED for i in items if isinstance(i, Resync))
     assert sub.stats.gaps_lost >= 1
 
@@ -138,3 +134,31 @@ async def test_unencodable_payload_is_dropped_and_the_sender_survives(memory_url
     items, _ = await collect(memory_url)
     assert Resync("e", p.epoch, ResyncReason.DROPPED, (2, 2)) in items
     assert [i.seq for i in items if isinstance(i, Message)] == [1, 3, 4]
+
+
+def test_trailing_drops_are_announced_without_a_further_publish(memory_url: str) -> None:
+    """The engine goes quiet while the backend is down: consumers still learn which
+    seqs were dropped as soon as it recovers, not at the engine's next message."""
+    transport = StalledTransport(memory_url, "down")
+    publisher = kvbus.Publisher(memory_url, source="engine", max_queue=5, transport=transport)
+    accepted = [publisher.publish(kv_payload(i)) for i in range(50)]
+    transport.released.set()
+    assert publisher.flush()
+
+    async def read() -> list[Message | Resync]:
+        sub = kvbus.subscribe(url=memory_url, gap_timeout=3600)  # no waiting on gaps
+        items: list[Message | Resync] = []
+        async for item in sub:
+            items.append(item)
+            if isinstance(item, Message) and isinstance(item.body, LossNotice):
+                break
+        await sub.aclose()
+        return items
+
+    items = asyncio.run(asyncio.wait_for(read(), 10))
+    dropped_seqs = {i + 2 for i, ok in enumerate(accepted) if not ok}  # seq 1: SourceStarted
+    notice = items[-1]
+    assert isinstance(notice, Message) and notice.seq == max(dropped_seqs)
+    assert lost_seqs(items) == dropped_seqs - {notice.seq}
+    assert notice.body == LossNotice(dropped=len(dropped_seqs))
+    publisher.close()

@@ -13,8 +13,6 @@ existing stream is updated to them when given:
 ``replicas``        JetStream replicas (default 1)
 ``storage``         ``file`` (default) or ``memory``
 ``duplicate_window`` seconds the server remembers message ids (default 120)
-``durable``         a durable consumer name: a subscription started with no cursor
-                    resumes where the last one with this name stopped reading
 ``timeout``         seconds to wait for acks and idle reads (default 5)
 =================== ============================================================
 
@@ -40,11 +38,10 @@ from urllib.parse import parse_qs, quote, urlsplit
 import nats
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client
-from nats.js import JetStreamContext, api
-
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
 from kvbus.transports.packing import entries_after, make_packs, split_position
+from nats.aio.client import Client
+from nats.js import JetStreamContext, api
 
 log = logging.getLogger("kvbus.transports.nats")
 
@@ -69,7 +66,6 @@ class NatsTransport(Transport):
         prefix = f"{parts.scheme}://{credentials + '@' if credentials else ''}"
         self.servers = [prefix + host for host in hosts.split(",")]
         self.timeout = float(query.pop("timeout", DEFAULT_TIMEOUT))
-        self.durable = query.pop("durable", None)
         self._limits: dict[str, Any] = {}
         for key, convert in (
             ("max_age", float),
@@ -80,14 +76,13 @@ class NatsTransport(Transport):
             ("storage", api.StorageType),
         ):
             if key in query:
-                self._limits["num_replicas" if key == "replicas" else key] = convert(
-                    query.pop(key)
-                )
+                self._limits["num_replicas" if key == "replicas" else key] = convert(query.pop(key))
         if query:
             raise ValueError(f"unknown nats:// options {sorted(query)} in {url!r}")
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._ready: set[str] = set()
+        self._last_error = ""
 
     async def _connect(self) -> JetStreamContext:
         if self._js is None:
@@ -105,7 +100,10 @@ class NatsTransport(Transport):
         return self._js
 
     async def _on_error(self, error: Exception) -> None:
-        log.debug("kvbus: nats: %r", error)
+        # nats-py reports every failed reconnect attempt; say each new kind once.
+        if repr(error) != self._last_error:
+            self._last_error = repr(error)
+            log.warning("kvbus: nats %s: %r", self.servers, error)
 
     async def _on_disconnected(self) -> None:
         if self._nc is not None and not (self._nc.is_closed or self._nc.is_draining):
@@ -122,9 +120,7 @@ class NatsTransport(Transport):
         js = await self._connect()
         try:
             info = await js.stream_info(name)
-            changed = {
-                k: v for k, v in self._limits.items() if getattr(info.config, k, None) != v
-            }
+            changed = {k: v for k, v in self._limits.items() if getattr(info.config, k, None) != v}
             if changed:
                 await js.update_stream(info.config.evolve(**changed))
         except nats.js.errors.NotFoundError:
@@ -167,11 +163,7 @@ class NatsTransport(Transport):
             start, skip = split_position(int(after))
         if not follow and end < (start or state.first_seq or 1):
             return
-        if self.durable and start is None:
-            entries = self._read_durable(js, name, stream, end, follow)
-        else:
-            entries = self._read_ordered(js, name, stream, start, skip, end, follow)
-        async for entry in entries:
+        async for entry in self._read_ordered(js, name, stream, start, skip, end, follow):
             yield entry
 
     async def _read_ordered(
@@ -224,36 +216,6 @@ class NatsTransport(Transport):
                 seen = sequence
                 if not follow and seen >= end:
                     return
-        finally:
-            await _quietly(sub.unsubscribe())
-
-    async def _read_durable(
-        self, js: JetStreamContext, name: str, stream: str, end: int, follow: bool
-    ) -> AsyncIterator[Entry]:
-        """Resume where the last reader with this durable name stopped; the server keeps
-        that position, advanced (acked) as batches are read."""
-        sub = await js.pull_subscribe(
-            f"kvbus.{stream}.>",
-            durable=self.durable,
-            stream=name,
-            config=api.ConsumerConfig(ack_policy=api.AckPolicy.ALL),
-        )
-        try:
-            while True:
-                try:
-                    batch = await sub.fetch(64, timeout=self.timeout)
-                except nats.errors.TimeoutError:
-                    if follow:
-                        continue
-                    return
-                for msg in batch:
-                    sequence = msg.metadata.sequence.stream
-                    for position, data in entries_after(sequence, msg.data):
-                        yield Entry(position, data)
-                    if not follow and sequence >= end:
-                        await msg.ack()
-                        return
-                await batch[-1].ack()  # AckPolicy.ALL: acks the whole batch
         finally:
             await _quietly(sub.unsubscribe())
 

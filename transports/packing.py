@@ -21,7 +21,6 @@ from collections.abc import Iterator, Sequence
 from typing import Final, NamedTuple
 
 import msgspec
-
 from kvbus.transports import Record, RecordTooLarge
 
 MAX_RECORDS: Final = 1 << 16
@@ -39,7 +38,8 @@ class Pack(NamedTuple):
     """The first record's ``source:epoch:seq`` plus ``+count``: a retried append repacks
     the same records the same way, so server-side dedup recognises it."""
     data: bytes
-    count: int
+    length: int
+    """How many envelopes it holds."""
 
 
 def make_packs(records: Sequence[Record], max_bytes: int | None = None) -> list[Pack]:

@@ -23,7 +23,6 @@ from typing import Any, Final
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis
-
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
 from kvbus.transports.packing import make_packs, unpack
 
@@ -64,7 +63,7 @@ class RedisTransport(Transport):
         self, stream: str, after: Position | None = None, *, follow: bool = False
     ) -> AsyncIterator[Entry]:
         key = _key(stream)
-        client = self._client
+        client: Any = self._client  # redis-py's reply types are unions of every RESP shape
         newest = await client.xrevrange(key, count=1)
         end = newest[0][0] if newest else b"0-0"
         if after == LATEST:

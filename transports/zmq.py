@@ -41,7 +41,6 @@ from urllib.parse import parse_qs, urlsplit
 
 import zmq
 import zmq.asyncio
-
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
 from kvbus.transports.packing import Pack, entries_after, make_packs, split_position
 
@@ -97,8 +96,8 @@ class _Ring:
     def add(self, pack: Pack) -> int:
         offset = self.next_offset
         self.next_offset += 1
-        self.packs.append((offset, pack.data, pack.count))
-        self.records += pack.count
+        self.packs.append((offset, pack.data, pack.length))
+        self.records += pack.length
         while self.records > self.max_records and len(self.packs) > 1:
             self.records -= self.packs.popleft()[2]
         return offset
@@ -136,7 +135,7 @@ class _Server:
         self.endpoint = endpoint
         self.users = 0
         self._ring_records = ring
-        context = zmq.Context.instance()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)
         self._router = context.socket(zmq.ROUTER)
         try:
@@ -327,7 +326,7 @@ class _Reader:
     async def entries(
         self, after: Position | None, follow: bool
     ) -> AsyncIterator[tuple[int, bytes]]:
-        context = zmq.asyncio.Context.shadow(zmq.Context.instance())
+        context: zmq.asyncio.Context = zmq.asyncio.Context.shadow(zmq.Context.instance())
         sub = None
         if follow:  # subscribe before asking for history, so nothing falls in between
             sub = context.socket(zmq.SUB)
@@ -460,7 +459,9 @@ class ZmqTransport(Transport):
             await asyncio.to_thread(_release_server, server)
 
 
-async def _merge(readers: list[_Reader], after: Position | None, follow: bool) -> AsyncIterator[Entry]:
+async def _merge(
+    readers: list[_Reader], after: Position | None, follow: bool
+) -> AsyncIterator[Entry]:
     """Entries of several endpoints as they arrive; a position is the comma-joined
     positions of every endpoint, so a cursor resumes each one where it was."""
     if after is None or after == LATEST:

@@ -1,0 +1,197 @@
+"""What is particular to one backend (everything common is in test_conformance.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats
+import pytest
+from kvbus.transports import Record, open_transport
+from kvbus.transports.nats import NatsTransport
+from kvbus.transports.zmq import ZmqTransport
+
+import kvbus
+from kvbus import Message, Resync, ResyncReason
+
+from .conftest import Item, envelope, kv_payload, last_seq_is, read_until, seqs
+from .servers import NatsServer, RedisServer, free_port
+
+
+def test_unknown_scheme_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="memory, nats, redis, rediss, tls, zmq"):
+        open_transport("kafka://x")
+
+
+def test_zmq_binds_loopback_unless_told_otherwise() -> None:
+    default = ZmqTransport("zmq://").endpoints[0]
+    assert default.bind(default.port) == "tcp://127.0.0.1:5590"
+    everywhere = ZmqTransport("zmq://*:6000").endpoints[0]
+    assert everywhere.bind(6000) == "tcp://*:6000"
+    assert everywhere.connect(6000) == "tcp://127.0.0.1:6000"
+
+
+async def test_zmq_several_endpoints_and_a_cursor_across_them() -> None:
+    ports = [free_port(pair=True), free_port(pair=True)]
+    urls = [f"zmq://127.0.0.1:{p}?timeout=1" for p in ports]
+    both = f"zmq://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}?timeout=1"
+    publishers = [kvbus.Publisher(u, source=f"engine-{n}") for n, u in enumerate(urls)]
+    for i in range(40):
+        publishers[i % 2].publish(kv_payload(i))
+    for publisher in publishers:
+        assert publisher.flush()
+    sub = kvbus.subscribe(url=both, follow=False)
+    first: list[Item] = []
+    async for item in sub:
+        first.append(item)
+        if len(first) == 15:
+            break
+    cursor = sub.cursor
+    await sub.aclose()
+    assert isinstance(cursor.position, str) and cursor.position.count(",") == 1
+    rest = [i async for i in kvbus.subscribe(url=both, follow=False, cursor=cursor)]
+    for n in range(2):
+        assert seqs(first, f"engine-{n}") + seqs(rest, f"engine-{n}") == list(range(1, 22))
+    for publisher in publishers:
+        publisher.close()
+
+
+async def test_zmq_live_holes_are_filled_from_the_ring() -> None:
+    """High-water marks of 1 make ZeroMQ drop most live frames for a subscriber that is
+    not reading; every one is recovered from the publisher's replay ring."""
+    url = f"zmq://127.0.0.1:{free_port(pair=True)}?hwm=1&timeout=1"
+    publisher = kvbus.Publisher(url, source="engine", max_batch=1)
+    sub = kvbus.subscribe(url=url)
+    reader = asyncio.create_task(read_until(sub, last_seq_is("engine", 1)))
+    publisher.flush()
+    await reader
+    for i in range(500):
+        publisher.publish(kv_payload(i))
+    assert publisher.flush()
+    await asyncio.sleep(0.5)  # frames pile up (and are dropped) while nobody reads
+    items = await read_until(sub, last_seq_is("engine", 501))
+    assert seqs(items) == list(range(2, 502))
+    assert not [i for i in items if isinstance(i, Resync)]
+    await sub.aclose()
+    publisher.close()
+
+
+async def test_zmq_request_older_than_the_ring_gets_history_lost(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"zmq://127.0.0.1:{free_port(pair=True)}?ring=10&timeout=1"
+    publisher = kvbus.Publisher(url, source="engine", max_batch=1)
+    for i in range(100):
+        publisher.publish(kv_payload(i))
+        publisher.flush()
+    items = [i async for i in kvbus.subscribe(url=url, follow=False, gap_timeout=0.1)]
+    assert "history lost" not in caplog.text  # no position asked: oldest retained it is
+    assert items[0] == Resync("engine", publisher.epoch, ResyncReason.JOINED, (1, 91))
+    assert seqs(items) == list(range(92, 102))
+    publisher.close()
+
+
+async def test_nats_drops_a_message_over_max_payload_and_announces_it(
+    nats_server: NatsServer,
+) -> None:
+    stream = "toolarge"
+    publisher = kvbus.Publisher(
+        nats_server.url, stream=stream, source="engine", max_message_bytes=32 << 20
+    )
+    publisher.publish(kv_payload(1))
+    publisher.publish(b"\x90" * (9 << 20))  # the test server's max_payload is 8 MB
+    publisher.publish(kv_payload(2))
+    assert publisher.flush()
+    items = [
+        i async for i in kvbus.subscribe(stream, nats_server.url, follow=False, gap_timeout=0.2)
+    ]
+    assert seqs(items) == [1, 2, 4]
+    assert [i.lost for i in items if isinstance(i, Resync)] == [(3, 3)]
+    assert publisher.stats.dropped == 1
+    publisher.close()
+
+
+async def test_nats_server_drops_a_republished_message(nats_server: NatsServer) -> None:
+    """A retried append (same source:epoch:seq) is stored once: Nats-Msg-Id dedup."""
+    transport = NatsTransport(nats_server.url)
+    records = [Record("engine", f"engine:1:{s}", envelope("engine", 1, s)) for s in (1, 2, 3)]
+    await transport.append("dedup", records)
+    await transport.append("dedup", records)
+    entries = [e async for e in transport.read("dedup")]
+    assert len(entries) == 3
+    nc = await nats.connect(nats_server.url)
+    info = await nc.jetstream().stream_info("KVBUS_dedup")
+    assert info.state.messages == 1  # one pack of three
+    await nc.close()
+    await transport.aclose()
+
+
+async def test_nats_stream_limits_come_from_the_url(nats_server: NatsServer) -> None:
+    url = f"{nats_server.url}?max_age=60&max_bytes=1000000&max_msgs=500&duplicate_window=30"
+    transport = NatsTransport(url)
+    await transport.append("limits", [Record("e", "e:1:1", envelope("e", 1, 1))])
+    nc = await nats.connect(nats_server.url)
+    config = (await nc.jetstream().stream_info("KVBUS_limits")).config
+    assert (config.max_age, config.max_bytes, config.max_msgs) == (60, 1_000_000, 500)
+    assert config.duplicate_window == 30
+    assert config.storage == nats.js.api.StorageType.FILE
+    assert config.subjects == ["kvbus.limits.>"]
+    await nc.close()
+    await transport.aclose()
+    with pytest.raises(ValueError, match="unknown nats:// options"):
+        NatsTransport(f"{nats_server.url}?max_agee=1")
+
+
+class _PasswordNats(NatsServer):
+    def command(self) -> list[str]:
+        command = super().command()
+        config = self.data_dir / "nats.conf"
+        config.write_text(config.read_text() + 'authorization { user: "kv", password: "s3cret" }\n')
+        return command
+
+
+class _PasswordRedis(RedisServer):
+    def command(self) -> list[str]:
+        return [*super().command(), "--requirepass", "s3cret"]
+
+
+@pytest.mark.parametrize("server_class", [_PasswordNats, _PasswordRedis])
+async def test_credentials_in_the_url(
+    server_class: type[NatsServer], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = server_class(tmp_path)
+    server.start()
+    try:
+        scheme, _, rest = server.url.partition("://")
+        user = "kv" if server_class is _PasswordNats else ""
+        url = f"{scheme}://{user}:s3cret@{rest}"
+        publisher = kvbus.Publisher(url, source="engine")
+        publisher.publish(kv_payload(1))
+        assert publisher.flush()
+        items = [i async for i in kvbus.subscribe(url=url, follow=False)]
+        assert seqs(items) == [1, 2]
+        publisher.close()
+        # Without the password nothing is read; the refusal is logged and retried.
+        sub = kvbus.subscribe(url=server.url, follow=False)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(sub.__anext__(), 2)
+        assert "auth" in caplog.text.lower()
+        await sub.aclose()
+    finally:
+        server.stop()
+
+
+async def test_redis_entries_hold_packs_and_foreign_entries_are_skipped(
+    redis_server: RedisServer,
+) -> None:
+    import redis.asyncio as redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    await client.xadd("kvbus:foreign", {"d": b"not an envelope"})
+    await client.xadd("kvbus:foreign", {"d": envelope("engine", 1, 1)})  # unpacked: fine
+    await client.aclose()
+    items: list[Message | Resync] = []
+    sub = kvbus.subscribe("foreign", redis_server.url, follow=False)
+    items = [i async for i in sub]
+    assert seqs(items) == [1]
+    assert sub.stats.malformed == 1
