@@ -145,7 +145,11 @@ class NatsTransport(Transport):
             )
             for pack in packs
         ]
-        await asyncio.wait_for(asyncio.gather(*acks), self.timeout)
+        try:
+            await asyncio.wait_for(asyncio.gather(*acks), self.timeout)
+        except nats.js.errors.NoStreamResponseError:
+            self._ready.discard(stream)  # the stream was deleted: create it again
+            raise
 
     async def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False

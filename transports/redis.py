@@ -93,7 +93,10 @@ class RedisTransport(Transport):
 
     async def _check_trimmed(self, key: str, last: bytes) -> None:
         """Warn when entries after ``last`` were trimmed before this read got them."""
-        info: dict[Any, Any] = await self._client.xinfo_stream(key)
+        try:
+            info: dict[Any, Any] = await self._client.xinfo_stream(key)
+        except redis.ResponseError:  # the key is gone (deleted, expired, other server)
+            info = {"max-deleted-entry-id": b"18446744073709551615-0"}
         deleted = info.get("max-deleted-entry-id", b"0-0")
         if _id(deleted) > _id(last):
             first = info.get("first-entry")

@@ -222,6 +222,9 @@ class _Server:
                 log.warning("kvbus: ignored malformed replay request (%d frames)", len(frames))
                 continue
             identity, request, stream, after = frames
+            if after and after != LATEST.encode() and not after.isdigit():
+                log.warning("kvbus: ignored replay request with position %r", after[:40])
+                continue
             self._start_replay(identity, request, stream, after)
 
     def _start_replay(self, identity: bytes, request: bytes, stream: bytes, after: bytes) -> None:
@@ -357,7 +360,11 @@ class _Reader:
                     async for item in self._replay(dealer, behind, -1, False):
                         yield item
                     continue
-                _, offset_frame, data = await sub.recv_multipart()
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    log.warning("kvbus: zmq skipped a malformed frame (%d parts)", len(frames))
+                    continue
+                _, offset_frame, data = frames
                 offset = int.from_bytes(offset_frame, "big")
                 if self.last is not None and offset != self.last + 1:
                     if offset <= self.last:
@@ -391,6 +398,9 @@ class _Reader:
                     reply = await asyncio.wait_for(dealer.recv_multipart(), self.timeout)
                 except TimeoutError:
                     break
+                if len(reply) != 5:
+                    log.warning("kvbus: zmq skipped a malformed replay reply")
+                    continue
                 reply_to, kind, _, offset_frame, data = reply
                 if reply_to != request:
                     continue  # a late answer to an abandoned request
