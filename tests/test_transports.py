@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
 import nats
@@ -214,3 +215,66 @@ async def test_zmq_publisher_survives_garbage_replay_requests() -> None:
     items = [i async for i in kvbus.subscribe(url=url, follow=False)]
     assert seqs(items) == [1, 2]
     publisher.close()
+
+
+def _make_certificates(directory: Path) -> None:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.pem", "-days", "2", "-subj", "/CN=kvbus-test-ca")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+            "server.csr", "-subj", "/CN=localhost")  # fmt: skip
+    (directory / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.cnf")  # fmt: skip
+
+
+class _TlsNats(NatsServer):
+    def command(self) -> list[str]:
+        command = super().command()
+        config = self.data_dir / "nats.conf"
+        config.write_text(
+            config.read_text() + f'tls {{ cert_file: "{self.data_dir}/server.pem", '
+            f'key_file: "{self.data_dir}/server.key" }}\n'
+        )
+        return command
+
+    @property
+    def url(self) -> str:
+        return f"tls://127.0.0.1:{self.port}"
+
+
+class _TlsRedis(RedisServer):
+    def command(self) -> list[str]:
+        d = self.data_dir
+        return [*super().command(), "--port", "0", "--tls-port", str(self.port),
+                "--tls-cert-file", f"{d}/server.pem", "--tls-key-file", f"{d}/server.key",
+                "--tls-ca-cert-file", f"{d}/ca.pem", "--tls-auth-clients", "no"]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}?ssl_ca_certs={self.data_dir}/ca.pem"
+
+
+@pytest.mark.parametrize("server_class", [_TlsNats, _TlsRedis])
+async def test_tls_through_the_url(
+    server_class: type[NatsServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tls:// (nats-py: the default SSL context, which trusts $SSL_CERT_FILE) and
+    rediss:// (redis-py: ssl_ca_certs in the URL) carry kvbus over TLS."""
+    _make_certificates(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    server = server_class(tmp_path)
+    server.start()
+    try:
+        publisher = kvbus.Publisher(server.url, source="engine")
+        publisher.publish(kv_payload(1))
+        assert publisher.flush()
+        items = [i async for i in kvbus.subscribe(url=server.url, follow=False)]
+        assert seqs(items) == [1, 2]
+        publisher.close()
+    finally:
+        server.stop()
