@@ -219,17 +219,16 @@ async def test_zmq_publisher_survives_garbage_replay_requests() -> None:
 
 def _make_certificates(directory: Path) -> None:
     """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
-            "ca.pem", "-days", "2", "-subj", "/CN=kvbus-test-ca")  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-            "server.csr", "-subj", "/CN=localhost")  # fmt: skip
     (directory / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.cnf")  # fmt: skip
+    for command in (
+        "req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=ca",
+        "req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost",
+        "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem "
+        "-days 2 -extfile san.cnf",
+    ):
+        subprocess.run(
+            ["openssl", *command.split()], cwd=directory, check=True, capture_output=True
+        )
 
 
 class _TlsNats(NatsServer):
@@ -250,9 +249,9 @@ class _TlsNats(NatsServer):
 class _TlsRedis(RedisServer):
     def command(self) -> list[str]:
         d = self.data_dir
-        return [*super().command(), "--port", "0", "--tls-port", str(self.port),
-                "--tls-cert-file", f"{d}/server.pem", "--tls-key-file", f"{d}/server.key",
-                "--tls-ca-cert-file", f"{d}/ca.pem", "--tls-auth-clients", "no"]  # fmt: skip
+        tls = f"--port 0 --tls-port {self.port} --tls-cert-file {d}/server.pem "
+        tls += f"--tls-key-file {d}/server.key --tls-ca-cert-file {d}/ca.pem "
+        return [*super().command(), *tls.split(), "--tls-auth-clients", "no"]
 
     @property
     def url(self) -> str:
