@@ -86,6 +86,9 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     kv_cache_usage: float
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    connector_prefix_cache_queries: int = 0
+    """Tokens looked up in the KV connector's external cache (deltas, like the above)."""
+    connector_prefix_cache_hits: int = 0
 
 
 # --- control payloads, published by kvbus itself -------------------------------------

@@ -1,0 +1,108 @@
+"""A vLLM stat logger that publishes each engine's load on the kvbus metrics stream.
+
+Loaded by vLLM's ``vllm.stat_logger_plugins`` entry point (every ``vllm serve`` /
+AsyncLLM), or passed as ``stat_loggers=[KvbusStatLogger]``. Without ``KVBUS_URL`` it
+does nothing. Records go to ``$KVBUS_METRICS_STREAM`` (default ``metrics``) under the
+same source name as the engine's KV events (`engine_source`), at most one per
+``$KVBUS_METRICS_INTERVAL`` seconds per engine (default 0.25), plus at once when the
+engine turns busy or idle, and every ``$KVBUS_METRICS_HEARTBEAT`` seconds (default 2) while
+nothing else is sent, so consumers can tell an idle engine from a dead one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from kvbus.connectors.vllm_events import engine_source
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+import kvbus
+from kvbus.envelope import Kind
+from kvbus.events import LoadMetrics
+
+
+class KvbusStatLogger(StatLoggerBase):
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self.interval = float(os.environ.get("KVBUS_METRICS_INTERVAL", "0.25"))
+        self.heartbeat = float(os.environ.get("KVBUS_METRICS_HEARTBEAT", "2"))
+        self.publisher: kvbus.Publisher | None = None
+        if not os.environ.get("KVBUS_URL"):
+            return
+        self.publisher = kvbus.Publisher(
+            stream=os.environ.get("KVBUS_METRICS_STREAM", "metrics"),
+            source=engine_source(engine_index),
+            data_parallel_rank=engine_index,
+        )
+        self._lock = threading.Lock()
+        self._latest = LoadMetrics(
+            ts=time.time(), engine_index=engine_index, running=0, waiting=0, kv_cache_usage=0.0
+        )
+        self._deltas = [0, 0, 0, 0]  # prefix queries, hits; connector queries, hits
+        self._last_sent = 0.0
+        self._closed = threading.Event()
+        threading.Thread(target=self._beat, name="kvbus-metrics-heartbeat", daemon=True).start()
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if self.publisher is None or scheduler_stats is None:
+            return
+        with self._lock:
+            prefix = scheduler_stats.prefix_cache_stats
+            connector = scheduler_stats.connector_prefix_cache_stats
+            self._deltas[0] += prefix.queries
+            self._deltas[1] += prefix.hits
+            if connector is not None:
+                self._deltas[2] += connector.queries
+                self._deltas[3] += connector.hits
+            was_busy = self._latest.running or self._latest.waiting
+            self._latest = LoadMetrics(
+                ts=time.time(),
+                engine_index=self.engine_index,
+                running=scheduler_stats.num_running_reqs,
+                waiting=scheduler_stats.num_waiting_reqs,
+                kv_cache_usage=scheduler_stats.kv_cache_usage,
+            )
+            busy = bool(self._latest.running or self._latest.waiting)
+            # Changes between idle and busy go out at once; the rest at most per interval.
+            if busy != bool(was_busy) or time.monotonic() - self._last_sent >= self.interval:
+                self._send()
+
+    def _send(self) -> None:
+        """Publish the latest state with the deltas gathered since the last one (lock held)."""
+        assert self.publisher is not None
+        queries, hits, connector_queries, connector_hits = self._deltas
+        self._deltas = [0, 0, 0, 0]
+        self._last_sent = time.monotonic()
+        self.publisher.publish(
+            LoadMetrics(
+                ts=time.time(),
+                engine_index=self.engine_index,
+                running=self._latest.running,
+                waiting=self._latest.waiting,
+                kv_cache_usage=self._latest.kv_cache_usage,
+                prefix_cache_queries=queries,
+                prefix_cache_hits=hits,
+                connector_prefix_cache_queries=connector_queries,
+                connector_prefix_cache_hits=connector_hits,
+            ),
+            Kind.METRICS,
+        )
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self.heartbeat / 2):
+            with self._lock:
+                if time.monotonic() - self._last_sent >= self.heartbeat:
+                    self._send()
+
+    def log_engine_initialized(self) -> None:
+        pass

