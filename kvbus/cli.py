@@ -123,6 +123,18 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _bridge(args: argparse.Namespace) -> int:
+    from kvbus.connectors.vllm_bridge import run_bridges
+
+    endpoints: list[str] = args.endpoints
+    replays: list[str | None] = list(args.replay) + [None] * (len(endpoints) - len(args.replay))
+    sources = list(args.source) + [e.rpartition("/")[2] for e in endpoints[len(args.source) :]]
+    if len(replays) != len(endpoints) or len(sources) != len(endpoints):
+        raise SystemExit("kvbus bridge: give at most one --replay and --source per --from")
+    await run_bridges(endpoints, replays, sources, args.url, args.stream)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbus")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -141,12 +153,30 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--stream")
     demo.add_argument("--steps", type=int, default=12, help="engine steps to publish")
 
+    bridge = commands.add_parser(
+        "bridge", help="forward stock vLLM ZMQ KV events to kvbus (no plugin needed)"
+    )
+    bridge.add_argument(
+        "--from", dest="endpoints", action="append", required=True,
+        help="vLLM's PUB endpoint, e.g. tcp://HOST:5557 (repeat for several engines/ranks)",
+    )  # fmt: skip
+    bridge.add_argument(
+        "--replay", action="append", default=[],
+        help="vLLM's replay endpoint, e.g. tcp://HOST:5558 (one per --from, in order)",
+    )  # fmt: skip
+    bridge.add_argument(
+        "--source", action="append", default=[],
+        help="kvbus source name per --from (default: HOST:PORT of the endpoint)",
+    )  # fmt: skip
+    bridge.add_argument("--to", dest="url", help="transport URL (default $KVBUS_URL)")
+    bridge.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    run = _tail if args.command == "tail" else _demo
+    run = {"tail": _tail, "demo": _demo, "bridge": _bridge}[args.command]
     try:
         return asyncio.run(run(args))
     except KeyboardInterrupt:

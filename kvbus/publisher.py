@@ -141,6 +141,17 @@ class Publisher:
             self._wake.set()
         return True
 
+    def announce_loss(self, count: int = 1) -> None:
+        """Declare ``count`` messages lost upstream (a bridge whose source skipped
+        messages it cannot recover): their seqs are used up and consumers get
+        ``Resync(reason="dropped")`` for them, as for messages this publisher dropped."""
+        for _ in range(count):
+            self._last_dropped = next(self._seqs)
+            self.stats.dropped += 1
+        if self._idle:
+            self._idle = False
+            self._wake.set()
+
     def _relay_wakeups(self) -> None:
         while True:
             self._wake.wait()

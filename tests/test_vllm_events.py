@@ -4,6 +4,7 @@ block pool: what a kvbus consumer rebuilds must equal the engine's cached blocks
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -18,6 +19,7 @@ import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
 
 from .conftest import Bus
+from .servers import free_port
 
 BLOCK = 32
 PLUGIN_URL = "memory://vllm-plugin"
@@ -104,6 +106,7 @@ class PrefixState:
     def __init__(self) -> None:
         self.prefix_of: dict[int | bytes, tuple[int, ...]] = {}
         self.removed = 0
+        self.seen: list[Message | Resync] = []
 
     def apply(self, item: Message | Resync) -> None:
         if isinstance(item, Resync):
@@ -162,12 +165,16 @@ def generate(llm: Any, prompts: list[list[int]]) -> list[Any]:
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
-async def catch_up(llm: Any, url: str, stream: str, state: PrefixState, cursor: Any) -> Any:
-    """Apply everything published so far; returns the new cursor."""
-    assert scheduler(llm).kv_event_publisher.publisher.flush()
+async def catch_up(
+    publisher: kvbus.Publisher, url: str, stream: str, state: PrefixState, cursor: Any
+) -> Any:
+    """A consumer started from its saved cursor applies everything published so far and
+    stops; returns its new cursor (so every call is a consumer restart)."""
+    assert await publisher.aflush()
     sub = kvbus.subscribe(stream, url, follow=False, cursor=cursor)
     async for item in sub:
         state.apply(item)
+        state.seen.append(item)
     await sub.aclose()
     return sub.cursor
 
@@ -202,7 +209,7 @@ async def test_consumer_state_equals_the_block_pool(llm: Any, bus: Bus) -> None:
         llm.reset_prefix_cache()  # emits AllBlocksCleared: both sides start empty
         for round_ in range(3):
             generate(llm, workload(seed=round_))
-            cursor = await catch_up(llm, url, stream, state, cursor)
+            cursor = await catch_up(sched.kv_event_publisher.publisher, url, stream, state, cursor)
             assert set(state.prefix_of) == engine_cached_blocks(llm), f"round {round_}"
         assert len(state.prefix_of) > 10
         assert state.removed > 0  # the 64-block cache evicted
@@ -211,7 +218,7 @@ async def test_consumer_state_equals_the_block_pool(llm: Any, bus: Bus) -> None:
         # many prompt tokens the engine will find cached, before it is sent.
         hits = 0
         for prompt in workload(seed=99, tenants=3, per_tenant=3):
-            cursor = await catch_up(llm, url, stream, state, cursor)
+            cursor = await catch_up(sched.kv_event_publisher.publisher, url, stream, state, cursor)
             predicted = state.predicted_cached_tokens(prompt)
             (output,) = generate(llm, [prompt])
             assert output.num_cached_tokens == predicted
@@ -238,3 +245,102 @@ register(); first = os.environ["KVBUS_SOURCE"]; register()
 assert F._registry["zmq"] is KvbusEventPublisher and os.environ["KVBUS_SOURCE"] == first
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def stock_publisher(port: int) -> Any:
+    """vLLM's own ZmqEventPublisher, counting what the engine handed it."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    class Counting(ZmqEventPublisher):  # type: ignore[misc]
+        published = 0
+
+        def publish(self, events: Any) -> None:
+            super().publish(events)
+            self.published += 1
+
+    return Counting(
+        0,
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{port + 1}",
+        buffer_steps=10_000,
+        hwm=100_000,
+        max_queue_size=100_000,
+        topic="",
+    )
+
+
+async def forwarded_all(bridge: Any, stock: Any) -> None:
+    """Wait until the bridge has forwarded every batch the engine published."""
+    for _ in range(1000):
+        if bridge.last == stock.published - 1:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"bridge at {bridge.last}, engine at {stock.published - 1}")
+
+
+async def test_bridge_from_stock_vllm(llm: Any, bus: Bus) -> None:
+    """vLLM's own ZMQ publisher -> `kvbus bridge` -> every transport: the consumer's
+    block set equals the block pool; a restarted bridge recovers from vLLM's replay
+    buffer; a restarted engine (seq back to 0) is a new epoch that drops old state."""
+    from kvbus.connectors.vllm_bridge import EngineBridge
+
+    sched = scheduler(llm)
+    plugin_publisher = sched.kv_event_publisher
+    port = free_port(pair=True)
+    stock = stock_publisher(port)
+    sched.kv_event_publisher = stock
+    url = bus.base
+
+    def start_bridge() -> tuple[EngineBridge, asyncio.Task[None]]:
+        bridge = EngineBridge(
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{port + 1}",
+            source="bridged",
+            url=url,
+            stream=bus.stream,
+        )
+        return bridge, asyncio.create_task(bridge.run())
+
+    async def run_round(seed: int, bridge: EngineBridge) -> Any:
+        await asyncio.to_thread(generate, llm, workload(seed))
+        await forwarded_all(bridge, stock)
+        assert bridge.publisher is not None
+        cursor = await catch_up(bridge.publisher, url, bus.stream, state, saved)
+        assert set(state.prefix_of) == engine_cached_blocks(llm), f"round {seed}"
+        return cursor
+
+    state = PrefixState()
+    saved = None
+    bridge, task = start_bridge()
+    try:
+        await asyncio.to_thread(llm.reset_prefix_cache)
+        for seed in (10, 11):
+            saved = await run_round(seed, bridge)
+        assert state.removed > 0
+
+        # The bridge restarts while the engine keeps working: it replays vLLM's buffer.
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(generate, llm, workload(12))
+        bridge, task = start_bridge()
+        state.seen.clear()
+        saved = await run_round(13, bridge)
+        assert any(isinstance(i, Resync) and i.reason == "new_epoch" for i in state.seen)
+
+        # The engine restarts: a new publisher on the same endpoints, seq from 0 again,
+        # an empty cache.
+        stock.shutdown()
+        await asyncio.sleep(0.5)
+        stock = stock_publisher(port)
+        sched.kv_event_publisher = stock
+        await asyncio.sleep(1.0)  # the bridge's SUB reconnects (a real restart takes longer)
+        await asyncio.to_thread(llm.reset_prefix_cache)
+        state.seen.clear()
+        saved = await run_round(14, bridge)
+        resyncs = [i for i in state.seen if isinstance(i, Resync)]
+        assert [r.reason for r in resyncs] == ["new_epoch"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        stock.shutdown()
+        sched.kv_event_publisher = plugin_publisher
