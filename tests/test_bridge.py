@@ -4,6 +4,7 @@ gap, restart and reply-layout handling; the real engine is in test_vllm_events.p
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import zmq
@@ -19,6 +20,19 @@ from .servers import free_port
 END = b"\xff" * 8
 
 
+def _bind(socket: zmq.asyncio.Socket, port: int) -> None:
+    """Bind, waiting out the previous engine's sockets (ZeroMQ closes them lazily)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            socket.bind(f"tcp://127.0.0.1:{port}")
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class FakeEngine:
     """PUB + ROUTER speaking vLLM's wire format; ``old_replies`` uses the pre-0.26
     layout ``[b"", seq, payload]``; ``buffer`` keeps the newest batches."""
@@ -26,9 +40,9 @@ class FakeEngine:
     def __init__(self, port: int, old_replies: bool, buffer: int = 1000) -> None:
         context = zmq.asyncio.Context.instance()
         self.pub = context.socket(zmq.PUB)
-        self.pub.bind(f"tcp://127.0.0.1:{port}")
         self.router = context.socket(zmq.ROUTER)
-        self.router.bind(f"tcp://127.0.0.1:{port + 1}")
+        _bind(self.pub, port)
+        _bind(self.router, port + 1)
         self.old_replies = old_replies
         self.buffer_size = buffer
         self.buffer: list[tuple[int, bytes]] = []

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
@@ -330,8 +331,13 @@ async def test_bridge_from_stock_vllm(llm: Any, bus: Bus) -> None:
         # The engine restarts: a new publisher on the same endpoints, seq from 0 again,
         # an empty cache.
         stock.shutdown()
-        await asyncio.sleep(0.5)
-        stock = stock_publisher(port)
+        for _ in range(50):  # ZeroMQ frees the old engine's ports lazily
+            await asyncio.sleep(0.1)
+            try:
+                stock = stock_publisher(port)
+                break
+            except zmq.ZMQError:
+                continue
         sched.kv_event_publisher = stock
         await asyncio.sleep(1.0)  # the bridge's SUB reconnects (a real restart takes longer)
         await asyncio.to_thread(llm.reset_prefix_cache)
