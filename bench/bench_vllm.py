@@ -23,6 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_core import time_calls
+
 
 def record_stream(rounds: int) -> list[Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -32,7 +34,7 @@ def record_stream(rounds: int) -> list[Any]:
     from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import EventPublisher
 
-    from tests.test_vllm_events import BLOCK, generate, make_model, scheduler, workload
+    from tests.test_vllm_events import engine_options, generate, make_model, scheduler, workload
 
     class Recorder(EventPublisher):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -47,20 +49,9 @@ def record_stream(rounds: int) -> list[Any]:
 
     model = Path(tempfile.mkdtemp())
     make_model(model)
-    llm = LLM(
-        model=str(model),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enable_prefix_caching=True,
-        max_model_len=512,
-        enforce_eager=True,
-        dtype="bfloat16",
-        block_size=BLOCK,
-        num_gpu_blocks_override=64,
-        kv_events_config=KVEventsConfig(
-            enable_kv_cache_events=True, endpoint=f"inproc://record-{time.monotonic_ns()}"
-        ),
-    )
+    endpoint = f"inproc://record-{time.monotonic_ns()}"
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)
+    llm = LLM(**engine_options(model, config))
     recorder = Recorder()
     scheduler(llm).kv_event_publisher.shutdown()
     scheduler(llm).kv_event_publisher = recorder
@@ -69,20 +60,8 @@ def record_stream(rounds: int) -> list[Any]:
     return recorder.batches
 
 
-def pace(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def time_publish(publisher: Any, batches: list[Any], gap: float) -> list[float]:
-    costs = []
-    for batch in batches:
-        start = time.perf_counter_ns()
-        publisher.publish(batch)
-        costs.append((time.perf_counter_ns() - start) / 1000)
-        pace(gap)
-    return costs
+    return [ns / 1000 for ns in time_calls(publisher.publish, batches, gap)]
 
 
 def main() -> None:

@@ -45,6 +45,22 @@ def make_model(directory: Path) -> None:
     config.save_pretrained(directory)
 
 
+def engine_options(model: Path, kv_events_config: Any) -> dict[str, Any]:
+    """The tiny engine: dummy weights, no tokenizer, a 64-block KV cache that evicts."""
+    return {
+        "model": str(model),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enable_prefix_caching": True,
+        "max_model_len": 512,
+        "enforce_eager": True,
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+        "num_gpu_blocks_override": 64,
+        "kv_events_config": kv_events_config,
+    }
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One engine for the module: the kvbus plugin loaded through vLLM's entry point
@@ -62,18 +78,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm import LLM
     from vllm.config import KVEventsConfig
 
-    engine = LLM(
-        model=str(model),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enable_prefix_caching=True,
-        max_model_len=512,
-        enforce_eager=True,
-        dtype="bfloat16",
-        block_size=BLOCK,
-        num_gpu_blocks_override=64,
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True),
-    )
+    engine = LLM(**engine_options(model, KVEventsConfig(enable_kv_cache_events=True)))
     yield engine
     scheduler(engine).kv_event_publisher.shutdown()
     del engine
