@@ -60,3 +60,50 @@ def test_tail_prints_json_lines_and_resumes_from_cursor_file(
     rows = [json.loads(line) for line in capsysbinary.readouterr().out.splitlines()]
     assert [(r["type"], r["seq"]) for r in rows] == [("message", 4)]
     assert kvbus.Cursor.from_bytes(open(cursor_file, "rb").read()).sources["a"].seq == 4
+
+
+def test_bridge_command_forwards_a_stock_publisher(tmp_path: Path) -> None:
+    """``kvbus bridge`` as an operator runs it, against vLLM's own ZmqEventPublisher,
+    onto zmq:// (no server), read back with subscribe()."""
+    import asyncio
+    import time
+
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from .servers import free_port
+    from .test_conformance import kv_messages
+
+    engine_port, bus_port = free_port(pair=True), free_port(pair=True)
+    stock = ZmqEventPublisher(
+        0,
+        endpoint=f"tcp://*:{engine_port}",
+        replay_endpoint=f"tcp://*:{engine_port + 1}",
+        topic="",
+    )
+    script = Path(sys.executable).with_name("kvbus")
+    bus = f"zmq://127.0.0.1:{bus_port}"
+    bridge = subprocess.Popen(
+        [str(script), "bridge", "--from", f"tcp://127.0.0.1:{engine_port}",
+         "--replay", f"tcp://127.0.0.1:{engine_port + 1}", "--source", "engine-a", "--to", bus],
+    )  # fmt: skip
+    try:
+        from vllm.distributed.kv_events import BlockStored as VStored
+        from vllm.distributed.kv_events import KVEventBatch as VBatch
+
+        for i in range(5):
+            stored = VStored([i], None, list(range(16)), 16, None, "GPU", None)
+            stock.publish(VBatch(ts=time.time(), events=[stored]))
+        time.sleep(2)  # the bridge replays the engine's buffer on start
+
+        async def read() -> list[kvbus.Message | kvbus.Resync]:
+            sub = kvbus.subscribe(url=bus, follow=False)
+            return [i async for i in sub]
+
+        items = asyncio.run(read())
+        hashes = [m.body.events[0].block_hashes for m in kv_messages(items)]  # type: ignore[union-attr]
+        assert hashes == [[0], [1], [2], [3], [4]]
+        assert {m.source for m in kv_messages(items)} == {"engine-a"}
+    finally:
+        bridge.terminate()
+        bridge.wait(10)
+        stock.shutdown()
