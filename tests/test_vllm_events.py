@@ -18,6 +18,7 @@ import zmq
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
+from kvbus.index import PrefixIndex
 
 from .conftest import Bus
 from .servers import free_port
@@ -113,8 +114,14 @@ class PrefixState:
         self.prefix_of: dict[int | bytes, tuple[int, ...]] = {}
         self.removed = 0
         self.seen: list[Message | Resync] = []
+        self.index = PrefixIndex(BLOCK)  # kvbus's own index, fed the same real stream
+
+    def check_index(self, engine_blocks: set[int | bytes]) -> None:
+        (worker,) = self.index.workers()
+        assert self.index.blocks(worker) == engine_blocks
 
     def apply(self, item: Message | Resync) -> None:
+        self.index.apply(item)
         if isinstance(item, Resync):
             self.prefix_of.clear()
             return
@@ -217,6 +224,7 @@ async def test_consumer_state_equals_the_block_pool(llm: Any, bus: Bus) -> None:
             generate(llm, workload(seed=round_))
             cursor = await catch_up(sched.kv_event_publisher.publisher, url, stream, state, cursor)
             assert set(state.prefix_of) == engine_cached_blocks(llm), f"round {round_}"
+            state.check_index(engine_cached_blocks(llm))
         assert len(state.prefix_of) > 10
         assert state.removed > 0  # the 64-block cache evicted
 
@@ -226,6 +234,9 @@ async def test_consumer_state_equals_the_block_pool(llm: Any, bus: Bus) -> None:
         for prompt in workload(seed=99, tenants=3, per_tenant=3):
             cursor = await catch_up(sched.kv_event_publisher.publisher, url, stream, state, cursor)
             predicted = state.predicted_cached_tokens(prompt)
+            matches = state.index.match(prompt)
+            indexed = max(matches.values(), default=0)
+            assert min(indexed, (len(prompt) - 1) // BLOCK * BLOCK) == predicted
             (output,) = generate(llm, [prompt])
             assert output.num_cached_tokens == predicted
             hits += predicted > 0
@@ -313,6 +324,7 @@ async def test_bridge_from_stock_vllm(llm: Any, bus: Bus) -> None:
         assert bridge.publisher is not None
         cursor = await catch_up(bridge.publisher, url, bus.stream, state, saved)
         assert set(state.prefix_of) == engine_cached_blocks(llm), f"round {seed}"
+        state.check_index(engine_cached_blocks(llm))
         return cursor
 
     state = PrefixState()
