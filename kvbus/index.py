@@ -52,11 +52,15 @@ def block_keys(
 
 
 class _Worker:
-    __slots__ = ("media",)
+    __slots__ = ("bit", "held", "media")
 
-    def __init__(self) -> None:
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+        """1 << this worker's number: its place in the index's holder masks."""
         self.media: dict[int, dict[int | bytes, int]] = {1: {}, 2: {}, 4: {}}
         """medium bit -> {engine block hash -> router key}"""
+        self.held: dict[int, int] = {}
+        """router key -> bits of the media holding it"""
 
 
 class PrefixIndex:
@@ -67,9 +71,15 @@ class PrefixIndex:
         self._bit_weights = sorted(
             ((MEDIUM_BITS[m], w) for m, w in medium_weights.items()), key=lambda bw: -bw[1]
         )
-        self._holders: dict[int, dict[str, int]] = {}
-        """router key -> {worker: bitmask of the media holding it}"""
+        # Which workers hold a block is an integer bitmask (bit n: the n-th worker ever
+        # seen; numbers are never reused), so narrowing the candidates of a long prompt
+        # is one big-int AND per block, whatever the number of workers.
+        self._masks: dict[int, int] = {}
+        """router key -> mask of the workers holding it (any medium)"""
         self._workers: dict[str, _Worker] = {}
+        self._numbers: dict[str, int] = {}
+        self._names: list[str] = []
+        self._groups: dict[tuple[int, int], dict[str, int]] = {}
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
 
@@ -93,12 +103,20 @@ class PrefixIndex:
             elif isinstance(event, AllBlocksCleared):
                 self.clear(worker)
 
+    def _worker(self, worker: str) -> _Worker:
+        state = self._workers.get(worker)
+        if state is None:
+            number = self._numbers.get(worker)
+            if number is None:
+                number = self._numbers[worker] = len(self._names)
+                self._names.append(worker)
+            state = self._workers[worker] = _Worker(1 << number)
+        return state
+
     def _stored(self, worker: str, event: BlockStored) -> None:
         if event.kv_cache_spec_kind not in _FULL_ATTENTION or event.block_size != self.block_size:
             return
-        state = self._workers.get(worker)
-        if state is None:
-            state = self._workers[worker] = _Worker()
+        state = self._worker(worker)
         bit = MEDIUM_BITS.get(event.medium, 1)
         parent = _ROOT
         if event.parent_block_hash is not None:
@@ -110,15 +128,13 @@ class PrefixIndex:
         keys = block_keys(
             event.token_ids, self.block_size, event.lora_name, event.extra_keys, parent
         )
-        holders = self._holders
-        blocks = state.media[bit]
+        masks, held, blocks, worker_bit = self._masks, state.held, state.media[bit], state.bit
         for engine_hash, key in zip(event.block_hashes, keys, strict=False):
             blocks[engine_hash] = key
-            held = holders.get(key)
-            if held is None:
-                holders[key] = {worker: bit}
-            else:
-                held[worker] = held.get(worker, 0) | bit
+            bits = held.get(key, 0)
+            if not bits:
+                masks[key] = masks.get(key, 0) | worker_bit
+            held[key] = bits | bit
 
     def _removed(self, worker: str, event: BlockRemoved) -> None:
         state = self._workers.get(worker)
@@ -129,27 +145,29 @@ class PrefixIndex:
         for engine_hash in event.block_hashes:
             key = blocks.pop(engine_hash, None)
             if key is not None:
-                self._drop(worker, key, bit)
+                self._drop(state, key, bit)
 
-    def _drop(self, worker: str, key: int, bit: int) -> None:
-        held = self._holders.get(key)
-        if held is None or worker not in held:
+    def _drop(self, state: _Worker, key: int, bit: int) -> None:
+        bits = state.held.get(key, 0) & ~bit
+        if bits:
+            state.held[key] = bits
             return
-        left = held[worker] & ~bit
-        if left:
-            held[worker] = left
+        state.held.pop(key, None)
+        self._unmask(key, state.bit)
+
+    def _unmask(self, key: int, worker_bit: int) -> None:
+        mask = self._masks.get(key, 0) & ~worker_bit
+        if mask:
+            self._masks[key] = mask
         else:
-            del held[worker]
-            if not held:
-                del self._holders[key]
+            self._masks.pop(key, None)
 
     def clear(self, worker: str) -> None:
         """Forget everything ``worker`` held (it restarted, or its events were lost)."""
         state = self._workers.pop(worker, None)
         if state is not None:
-            for bit, blocks in state.media.items():
-                for key in blocks.values():
-                    self._drop(worker, key, bit)
+            for key in state.held:
+                self._unmask(key, state.bit)
 
     # --- querying --------------------------------------------------------------------
 
@@ -164,27 +182,44 @@ class PrefixIndex:
         return self.match_keys(block_keys(token_ids, self.block_size, lora_name, extra_keys))
 
     def match_keys(self, keys: Sequence[int]) -> dict[str, int]:
-        holders = self._holders
-        first = holders.get(keys[0]) if keys else None
-        if not first:
-            return {}
-        # Survivors shrink by C-level set intersections and results are filled a group
-        # at a time, so a query costs little more than hashing its blocks even when a
-        # shared system prompt is held by every worker.
+        masks = self._masks
+        alive = masks.get(keys[0], 0) if keys else 0
         result: dict[str, int] = {}
-        alive: Any = first.keys()
         matched = 1
         for key in keys[1:]:
-            held = holders.get(key)
-            still = alive & held.keys() if held else set()
-            if len(still) < len(alive):
-                result.update(dict.fromkeys(alive - still, matched * self.block_size))
-            alive = still
             if not alive:
                 break
+            still = alive & masks.get(key, 0)
+            if still != alive:
+                # All of ``alive`` gets this depth; survivors are overwritten deeper. The
+                # large masks met here (holders of a shared system prompt) recur from
+                # query to query, unlike "alive minus survivors".
+                self._add_group(result, alive, matched * self.block_size)
+            alive = still
             matched += 1
-        result.update(dict.fromkeys(alive, matched * self.block_size))
+        if alive:
+            self._add_group(result, alive, matched * self.block_size)
         return result
+
+    def _add_group(self, result: dict[str, int], mask: int, tokens: int) -> None:
+        """``result[w] = tokens`` for every worker in ``mask``. Large groups recur
+        (everyone holding the system prompt), so their dicts are cached; a mask's names
+        never go stale because worker numbers are never reused."""
+        names = self._names
+        if mask.bit_count() <= 64:  # few workers: walk the set bits
+            while mask:
+                lowest = mask & -mask
+                result[names[lowest.bit_length() - 1]] = tokens
+                mask ^= lowest
+            return
+        group = self._groups.get((mask, tokens))
+        if group is None:
+            if len(self._groups) >= 256:
+                self._groups.clear()
+            bits = bin(mask)[:1:-1]  # least significant first
+            members = (names[i] for i, b in enumerate(bits) if b == "1")
+            group = self._groups[(mask, tokens)] = dict.fromkeys(members, tokens)
+        result.update(group)
 
     def match_weighted(
         self,
@@ -195,9 +230,11 @@ class PrefixIndex:
         """Like `match`, in blocks each weighted by the best medium holding it (GPU 1,
         CPU 0.5, STORAGE 0.25 by default)."""
         keys = block_keys(token_ids, self.block_size, lora_name, extra_keys)
-        holders = self._holders
         return {
-            worker: sum(self._weight(holders[k][worker]) for k in keys[: tokens // self.block_size])
+            worker: sum(
+                self._weight(self._workers[worker].held[k])
+                for k in keys[: tokens // self.block_size]
+            )
             for worker, tokens in self.match_keys(keys).items()
         }
 
@@ -219,7 +256,7 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Distinct prefix blocks indexed."""
-        return len(self._holders)
+        return len(self._masks)
 
 
 def _any_medium(state: _Worker, engine_hash: int | bytes) -> int | None:
