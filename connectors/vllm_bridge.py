@@ -57,9 +57,9 @@ class EngineBridge:
         self.forwarded = 0
         self.publisher: kvbus.Publisher | None = None
 
-    def _new_epoch(self) -> None:
+    async def _new_epoch(self) -> None:
         if self.publisher is not None:
-            self.publisher.close()
+            await self.publisher.aclose()
         self.publisher = kvbus.Publisher(self.url, stream=self.stream, source=self.source)
         self.last = None
         self._recent.clear()
@@ -74,7 +74,7 @@ class EngineBridge:
         if self.replay_endpoint:
             dealer = context.socket(zmq.DEALER)
             dealer.connect(self.replay_endpoint)
-        self._new_epoch()
+        await self._new_epoch()
         try:
             await self._replay(dealer, 0)
             while True:
@@ -103,7 +103,7 @@ class EngineBridge:
                 self.endpoint,
                 seq,
             )
-            self._new_epoch()
+            await self._new_epoch()
             await self._replay(dealer, 0)
             if self.last is None and seq > 0:
                 self._lost(0, seq - 1)  # the new engine's first batches, not replayable

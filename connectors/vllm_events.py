@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
 from vllm.distributed.kv_events import EventBatch, EventPublisher, EventPublisherFactory
 
 import kvbus
+from kvbus.config import resolve_source
 from kvbus.envelope import Kind
 
 log = logging.getLogger("kvbus.connectors")
@@ -36,8 +36,7 @@ def engine_source(data_parallel_rank: int) -> str:
     by name. `register` gives ``KVBUS_SOURCE`` a default in the first vLLM process
     (``hostname-pid`` of the front end), which the engine processes it spawns inherit.
     """
-    base = os.environ.get("KVBUS_SOURCE") or f"{socket.gethostname()}-{os.getpid()}"
-    return f"{base}/dp{data_parallel_rank}"
+    return f"{resolve_source(None)}/dp{data_parallel_rank}"
 
 
 class KvbusEventPublisher(EventPublisher):
@@ -76,6 +75,6 @@ def register() -> None:
     """``vllm.general_plugins`` entry point. Idempotent: vLLM runs it in each process."""
     if not os.environ.get("KVBUS_URL"):
         return
-    os.environ.setdefault("KVBUS_SOURCE", f"{socket.gethostname()}-{os.getpid()}")
+    os.environ.setdefault("KVBUS_SOURCE", resolve_source(None))
     # register_publisher() refuses a taken name, and the config only allows "zmq".
     EventPublisherFactory._registry["zmq"] = KvbusEventPublisher

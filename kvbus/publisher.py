@@ -137,8 +137,7 @@ class Publisher:
         self._queue.append((seq, kind, payload, time.time()))
         self.stats.published += 1
         if self._idle:
-            self._idle = False
-            self._wake.set()
+            self._wake_sender()
         return True
 
     def announce_loss(self, count: int = 1) -> None:
@@ -149,8 +148,11 @@ class Publisher:
             self._last_dropped = next(self._seqs)
             self.stats.dropped += 1
         if self._idle:
-            self._idle = False
-            self._wake.set()
+            self._wake_sender()
+
+    def _wake_sender(self) -> None:
+        self._idle = False
+        self._wake.set()
 
     def _relay_wakeups(self) -> None:
         while True:

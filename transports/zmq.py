@@ -228,7 +228,7 @@ class _Server:
             self._start_replay(identity, request, stream, after)
 
     def _start_replay(self, identity: bytes, request: bytes, stream: bytes, after: bytes) -> None:
-        topic = stream + b"\0"
+        topic = _topic(stream)
         with self._lock:
             ring = self._rings.get(topic)
             first = ring.first if ring else None
@@ -250,7 +250,7 @@ class _Server:
         paused = False
         for replay in list(self._replays):
             with self._lock:
-                ring = self._rings[replay.stream + b"\0"]
+                ring = self._rings[_topic(replay.stream)]
                 if replay.next_offset < ring.first:  # trimmed while replaying
                     lost_at = ring.first
                 else:
@@ -281,10 +281,10 @@ class _Server:
         self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
 
 
-def _topic(stream: str) -> bytes:
+def _topic(stream: str | bytes) -> bytes:
     # The NUL ends the topic: ZeroMQ subscriptions match prefixes, and "kv" must not
     # receive "kv_metrics".
-    return stream.encode() + b"\0"
+    return (stream.encode() if isinstance(stream, str) else stream) + b"\0"
 
 
 _servers: dict[_Endpoint, _Server] = {}
