@@ -6,9 +6,12 @@ get the same events and compute the same chained keys.
 
 1. apply rate: block events/s, fed as vLLM batches (16-block BlockStored events,
    chained), on one core;
-2. route decision latency (``match`` of a 4k-token prompt, key hashing included) with
-   1,000 workers and ~2M cached blocks indexed; p50/p99;
-3. memory per indexed block (peak RSS growth while indexing).
+2. match latency (``match`` of a 4k-token prompt, key hashing included) with 1,000
+   workers and ~2M cached blocks indexed; p50/p99;
+3. route decision latency: the same plus the policy (cost of every live worker from the
+   blocks it would prefill and its load, requests in flight counted, the pick recorded
+   as in flight); the baseline computes the cost worker by worker;
+4. memory per indexed block (peak RSS growth while indexing).
 
 Run: python bench/bench_index.py [--workers 1000] [--per-worker 16]
 """
@@ -29,8 +32,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvbus import BlockStored
-from kvbus.index import PrefixIndex, block_keys
+from kvbus import BlockStored, Kind, LoadMetrics, Message
+from kvbus.index import block_keys
+from kvbus.router import CostWeights, Router
 
 BLOCK = 32
 PROMPT_BLOCKS = 128  # 4k tokens
@@ -53,6 +57,13 @@ class Baseline:
             ):
                 engine[h] = k
                 keys.add(k)
+
+    def route(self, tokens: list[int], load: dict[str, float], weights: CostWeights) -> str:
+        held = self.match(tokens)
+        blocks = len(tokens) // BLOCK
+        return min(
+            load, key=lambda w: load[w] + weights.prefill * (blocks - held.get(w, 0) // BLOCK)
+        )
 
     def match(self, tokens: list[int]) -> dict[str, int]:
         keys = block_keys(tokens, BLOCK)
@@ -106,39 +117,63 @@ def main() -> None:
         f"python {platform.python_version()}; {args.workers} workers, {blocks:,} cached "
         f"blocks, {args.prompts} distinct 4k prompts"
     )
+    workers = sorted({worker for worker, _ in stream})
+    loads = {w: rng.choice([0.0, 2.0, 4.0, 8.0]) for w in workers}
     rows = []
     for name, index in (
         ("baseline: per-worker key sets", Baseline()),
-        ("kvbus PrefixIndex", PrefixIndex(BLOCK)),
+        ("kvbus PrefixIndex + Router", Router(block_size=BLOCK, seed=1)),
     ):
+        router = index if isinstance(index, Router) else None
+        indexed = router.index if router else index
         gc.collect()
         before = rss_mib()
         start = time.perf_counter()
         for worker, events in stream:
-            index.apply_events(worker, events)
+            indexed.apply_events(worker, events)
         apply_rate = blocks / (time.perf_counter() - start)
         grown = rss_mib() - before
-        latencies = []
+        for worker, running in loads.items():
+            if router:
+                body = LoadMetrics(ts=0.0, running=int(running // 2), waiting=0, kv_cache_usage=0.5)
+                router.apply_metrics(Message(worker, 1, 1, Kind.METRICS, 0.0, body, b"", 0))
+        matches, routes = [], []
         for _ in range(args.queries):
             prompt = pool[rng.randrange(args.prompts)]
             t = time.perf_counter_ns()
-            index.match(prompt)
-            latencies.append((time.perf_counter_ns() - t) / 1000)
-        latencies.sort()
+            indexed.match(prompt)
+            matches.append((time.perf_counter_ns() - t) / 1000)
+            t = time.perf_counter_ns()
+            if router:
+                decision = router.route(prompt)
+                routes.append((time.perf_counter_ns() - t) / 1000)
+                assert decision is not None
+                router.finished(decision)
+            else:
+                index.route(prompt, loads, CostWeights())
+                routes.append((time.perf_counter_ns() - t) / 1000)
+        matches.sort()
+        routes.sort()
         rows.append(
             (
                 name,
                 apply_rate,
-                statistics.median(latencies),
-                latencies[int(len(latencies) * 0.99)],
+                statistics.median(matches),
+                matches[int(len(matches) * 0.99)],
+                statistics.median(routes),
+                routes[int(len(routes) * 0.99)],
                 grown * 2**20 / blocks,
             )
         )
-        del index
-    columns = ("apply blocks/s", "match p50 us", "match p99 us", "bytes/block")
-    print(f"\n{'index':32} " + " ".join(f"{c:>14}" for c in columns))
-    for name, rate, p50, p99, per_block in rows:
-        print(f"{name:32} {rate:14,.0f} {p50:14.0f} {p99:14.0f} {per_block:14.0f}")
+        del index, indexed, router
+    columns = ("apply blocks/s", "match p50", "match p99", "route p50", "route p99", "B/block")
+    print(f"\n{'index (latencies in us)':32} " + " ".join(f"{c:>14}" for c in columns))
+    for name, rate, *latencies, per_block in rows:
+        print(
+            f"{name:32} {rate:14,.0f} "
+            + " ".join(f"{x:14.0f}" for x in latencies)
+            + f" {per_block:14.0f}"
+        )
 
 
 if __name__ == "__main__":

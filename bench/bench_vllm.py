@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from bench.bench_core import time_calls
 
@@ -30,11 +31,12 @@ def record_stream(rounds: int) -> list[Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.pop("KVBUS_URL", None)  # vLLM's own publisher while recording
+    from cluster import engine_options, make_model
     from vllm import LLM
     from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import EventPublisher
 
-    from tests.test_vllm_events import engine_options, generate, make_model, scheduler, workload
+    from tests.test_vllm_events import generate, scheduler, workload
 
     class Recorder(EventPublisher):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -51,7 +53,7 @@ def record_stream(rounds: int) -> list[Any]:
     make_model(model)
     endpoint = f"inproc://record-{time.monotonic_ns()}"
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)
-    llm = LLM(**engine_options(model, config))
+    llm = LLM(**engine_options(model, config, 64))
     recorder = Recorder()
     scheduler(llm).kv_event_publisher.shutdown()
     scheduler(llm).kv_event_publisher = recorder

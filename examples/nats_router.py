@@ -1,0 +1,414 @@
+"""A KV- and load-aware OpenAI-compatible router in front of vLLM servers.
+
+Each vLLM server runs with the kvbus plugin and stat logger (``pip install kvbus[vllm]``)
+and ``KVBUS_URL`` pointing at the same bus, with ``KVBUS_SOURCE=NAME``; its KV events
+and load then arrive as sources ``NAME/dp<rank>``. The router follows both streams,
+tokenizes each request as vLLM does (the chat template for chat), asks `kvbus.router`
+which worker to use, and forwards the request there unchanged (data-parallel rank in
+vLLM's ``X-data-parallel-rank`` header); the response, streamed or not, comes back
+unchanged. ``x-kvbus-worker`` and ``x-kvbus-predicted-cached-tokens`` headers are added.
+
+    KVBUS_URL=nats://127.0.0.1:4222 python examples/nats_router.py --port 8000 \\
+        --worker a=http://127.0.0.1:8001 --worker b=http://127.0.0.1:8002 --policy kv
+
+Requests the router cannot read (invalid JSON, a model it does not know, a prompt it
+cannot tokenize) go to a live worker unrouted, so the client gets vLLM's own error; a
+prompt too long is routed and vLLM answers. With no worker alive the answer is 503 in
+vLLM's error shape. ``/metrics`` serves Prometheus counters; ``/health`` is 200 while
+some worker may get traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import prometheus_client as prom
+from aiohttp import web
+
+import kvbus
+from kvbus.router import CostWeights, Decision, Policy, Router
+
+log = logging.getLogger("kvbus.router")
+_RANK = re.compile(r"/dp(\d+)$")
+_HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"}
+
+
+def error_body(message: str, kind: str, status: int) -> web.Response:
+    """An error in vLLM's shape (`ErrorResponse`)."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class Metrics:
+    """The router's Prometheus series (``/metrics``), per worker and policy."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        per_worker = ("worker", "policy")
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = per_worker) -> prom.Counter:
+            return prom.Counter(f"kvbus_router_{name}", doc, labels, registry=self.registry)
+
+        self.requests = counter("requests", "Requests forwarded", (*per_worker, "code"))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens routed")
+        self.predicted = counter(
+            "predicted_cached_tokens", "Prompt tokens the router expected found cached"
+        )
+        self.reported = counter(
+            "reported_cached_tokens", "Cached prompt tokens the engines reported (non-streamed)"
+        )
+        self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
+        self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
+        self.decision = prom.Histogram(
+            "kvbus_router_decision_seconds",
+            "Tokenizing and choosing a worker",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            registry=self.registry,
+        )
+        self.ttft = prom.Histogram(
+            "kvbus_router_first_byte_seconds",
+            "Time to the first byte of the worker's response",
+            per_worker,
+            registry=self.registry,
+        )
+        self.eligible = prom.Gauge(
+            "kvbus_router_eligible_workers", "Workers that may get traffic", registry=self.registry
+        )
+        self.blocks = prom.Gauge(
+            "kvbus_router_indexed_blocks", "Distinct prefix blocks indexed", registry=self.registry
+        )
+
+
+class Tokenizer:
+    """The served model's tokenizer, used the way vLLM's OpenAI server uses it."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(path)
+
+    def completion(self, body: dict[str, Any]) -> list[int]:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: route by its first prompt
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        special = body.get("add_special_tokens", True)
+        return list(self.hf(prompt, add_special_tokens=special).input_ids)
+
+    def chat(self, body: dict[str, Any]) -> list[int]:
+        messages = [
+            {**m, "content": _text(m.get("content"))} if isinstance(m, dict) else m
+            for m in body["messages"]
+        ]
+        text = self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tools=body.get("tools"),
+            chat_template=body.get("chat_template"),
+            **(body.get("chat_template_kwargs") or {}),
+        )
+        special = body.get("add_special_tokens", False)
+        return list(self.hf(text, add_special_tokens=special).input_ids)
+
+
+def _text(content: Any) -> Any:
+    """Text parts of a message joined as vLLM's 'string' content format does."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content
+
+
+class RouterApp:
+    def __init__(
+        self,
+        workers: dict[str, str],
+        router: Router,
+        url: str,
+        tokenizer: str | None = None,
+        kv_stream: str = "kv",
+        metrics_stream: str = "metrics",
+        down_for: float = 5.0,
+    ) -> None:
+        self.workers = {name: base.rstrip("/") for name, base in workers.items()}
+        self.router = router
+        self.url = url
+        self.tokenizer_path = tokenizer
+        self.tokenizer: Tokenizer | None = None
+        self.streams = (kv_stream, metrics_stream)
+        self.down_for = down_for
+        self.metrics = Metrics()
+        self.loras: set[str] = set()
+        self.models: set[str] = set()
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/health", self.health)
+        app.cleanup_ctx.append(self._lifetime)
+        return app
+
+    async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        # No total timeout: generations take as long as they take; a dead worker shows
+        # as a refused or timed-out connection.
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
+        kv, metrics = self.streams
+        self._tasks = [
+            asyncio.create_task(self._follow(kv, None, self.router.apply_kv)),
+            asyncio.create_task(self._follow(metrics, "latest", self.router.apply_metrics)),
+            asyncio.create_task(self._discover()),
+        ]
+        yield
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.session.close()
+
+    async def _follow(self, stream: str, cursor: str | None, apply: Callable[[Any], None]) -> None:
+        """Feed the router one stream for good; only configured workers count. The kv
+        stream is read from its retained history, so the index starts complete."""
+        while True:
+            try:
+                async with kvbus.subscribe(stream, self.url, cursor=cursor) as items:
+                    async for item in items:
+                        if self._known(item.source):
+                            apply(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("following %s failed; again in 1 s", stream)
+                await asyncio.sleep(1)
+
+    def _known(self, source: str) -> bool:
+        return _RANK.sub("", source) in self.workers
+
+    async def _discover(self) -> None:
+        """Served model names and the tokenizer, from the first worker that answers."""
+        assert self.session is not None
+        while True:
+            for base in self.workers.values():
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with self.session.get(f"{base}/v1/models") as response:
+                        cards = (await response.json())["data"]
+                    self.models = {c["id"] for c in cards}
+                    self.loras = {c["id"] for c in cards if c.get("parent")}
+                    root = self.tokenizer_path or next(
+                        c.get("root") or c["id"] for c in cards if not c.get("parent")
+                    )
+                    self.tokenizer = await asyncio.to_thread(Tokenizer, root)
+                    log.info("models %s, tokenizer from %s", sorted(self.models), root)
+                    return
+            await asyncio.sleep(1)
+
+    # --- handlers --------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda t, body: t.completion(body))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda t, body: t.chat(body))
+
+    async def _generate(
+        self, request: web.Request, tokenize: Callable[[Tokenizer, dict[str, Any]], list[int]]
+    ) -> web.StreamResponse:
+        raw = await request.read()
+        started = time.perf_counter()
+        tokens = self._tokens(raw, tokenize)
+        if tokens is None:  # the engine explains what is wrong with it
+            self.metrics.unrouted.inc()
+            lora = None
+            tokens = []
+        else:
+            tokens, lora = tokens
+        tried: set[str] = set()
+        while True:
+            decision = self.router.route(tokens, lora, exclude=tried)
+            self.metrics.decision.observe(time.perf_counter() - started)
+            if decision is None:
+                self.metrics.no_worker.inc()
+                return error_body(
+                    "No vLLM server is available: every worker is down or silent.",
+                    "ServiceUnavailableError",
+                    503,
+                )
+            try:
+                return await self._forward(request, raw, decision)
+            except _Unreachable:
+                tried.add(decision.worker)
+                self.router.mark_down(decision.worker, self.down_for)
+                log.warning("worker %s unreachable; down for %ss", decision.worker, self.down_for)
+            finally:
+                self.router.finished(decision)
+
+    def _tokens(
+        self, raw: bytes, tokenize: Callable[[Tokenizer, dict[str, Any]], list[int]]
+    ) -> tuple[list[int], str | None] | None:
+        """The prompt's token ids and LoRA, or None when the request cannot be read."""
+        try:
+            body = json.loads(raw)
+            model = body.get("model")
+            if self.models and model is not None and model not in self.models:
+                return None
+            if self.tokenizer is None:
+                return [], None  # not discovered yet: load alone decides
+            return tokenize(self.tokenizer, body), model if model in self.loras else None
+        except Exception:
+            return None
+
+    async def _forward(
+        self, request: web.Request, raw: bytes, decision: Decision
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        name = _RANK.sub("", decision.worker)
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in ("content-type", "authorization", "accept", "x-request-id")
+        }
+        rank = _RANK.search(decision.worker)
+        if rank:
+            headers["X-data-parallel-rank"] = rank.group(1)
+        labels = (decision.worker, decision.policy.value)
+        sent = time.perf_counter()
+        try:
+            upstream = await self.session.post(
+                self.workers[name] + request.path, data=raw, headers=headers
+            )
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise _Unreachable from e
+        async with upstream:
+            self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP_BY_HOP:
+                    response.headers[key] = value
+            response.headers["x-kvbus-worker"] = decision.worker
+            response.headers["x-kvbus-predicted-cached-tokens"] = str(
+                decision.predicted_cached_tokens
+            )
+            await response.prepare(request)
+            streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            body = bytearray()
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+                if not streamed:
+                    body += chunk
+            await response.write_eof()
+        self.metrics.requests.labels(*labels, str(upstream.status)).inc()
+        if upstream.status == 200:
+            self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
+            self.metrics.predicted.labels(*labels).inc(decision.predicted_cached_tokens)
+            if body:
+                self.metrics.reported.labels(*labels).inc(_cached_tokens(bytes(body)))
+        return response
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        for worker in [*self.router.eligible(), *self.workers]:
+            base = self.workers.get(_RANK.sub("", worker))
+            if base is None:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with self.session.get(f"{base}/v1/models") as upstream:
+                    return web.Response(
+                        body=await upstream.read(),
+                        status=upstream.status,
+                        content_type="application/json",
+                    )
+        return error_body("No vLLM server is available.", "ServiceUnavailableError", 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        self.metrics.eligible.set(len(self.router.eligible()))
+        self.metrics.blocks.set(len(self.router.index))
+        return web.Response(
+            body=prom.generate_latest(self.metrics.registry),
+            headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        eligible = self.router.eligible()
+        ready = {"eligible": eligible, "tokenizer": self.tokenizer is not None}
+        return web.json_response(ready, status=200 if eligible else 503)
+
+
+class _Unreachable(Exception):
+    """The worker refused or dropped the connection before answering (safe to retry)."""
+
+
+def _cached_tokens(body: bytes) -> int:
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+        details = json.loads(body)["usage"].get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="a vLLM server: its KVBUS_SOURCE and base URL (repeat for each)",
+    )
+    parser.add_argument("--policy", choices=[p.value for p in Policy], default="kv")
+    parser.add_argument("--tokenizer", help="tokenizer dir (default: the served model's)")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("KVBUS_URL", "nats://127.0.0.1:4222"),
+        help="kvbus transport (default $KVBUS_URL, else nats://127.0.0.1:4222)",
+    )
+    parser.add_argument("--kv-stream", default="kv")
+    parser.add_argument(
+        "--metrics-stream", default=os.environ.get("KVBUS_METRICS_STREAM", "metrics")
+    )
+    parser.add_argument(
+        "--weight",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="cost weight: prefill, waiting, running, kv_usage (see kvbus.router)",
+    )
+    parser.add_argument("--stale-after", type=float, default=5.0, help="seconds without metrics")
+    parser.add_argument("--block-size", type=int, help="default: from the engines' events")
+    return parser.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> RouterApp:
+    workers = dict(w.split("=", 1) for w in args.worker)
+    weights = CostWeights(**{k: float(v) for k, v in (w.split("=", 1) for w in args.weight)})
+    router = Router(args.policy, weights, block_size=args.block_size, stale_after=args.stale_after)
+    return RouterApp(workers, router, args.url, args.tokenizer, args.kv_stream, args.metrics_stream)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    web.run_app(build(args).app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

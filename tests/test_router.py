@@ -1,0 +1,179 @@
+"""Router policy logic on hand-made streams and a hand-driven clock (real engines and
+the HTTP router: test_router_e2e)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kvbus import BlockRemoved, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
+from kvbus.events import SourceStopped
+from kvbus.router import CostWeights, Policy, Router
+from kvbus.subscribe import Resync, ResyncReason
+
+B = 4
+PROMPT = list(range(100, 133))  # 8 full blocks and one token
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def kv(source: str, *events: object) -> Message:
+    batch = KVEventBatch(time.time(), list(events))  # type: ignore[arg-type]
+    return Message(source, 1, 1, Kind.KV, 0.0, batch, b"", 0)
+
+
+def load(source: str, running: int = 0, waiting: int = 0, usage: float = 0.0) -> Message:
+    body = LoadMetrics(ts=0.0, running=running, waiting=waiting, kv_cache_usage=usage)
+    return Message(source, 1, 1, Kind.METRICS, 0.0, body, b"", 0)
+
+
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> BlockStored:
+    return BlockStored(hashes, parent, tokens, B, None, "GPU", None)
+
+
+def router(
+    policy: str = "kv",
+    workers: tuple[str, ...] = ("a", "b"),
+    clock: Clock | None = None,
+    **options: Any,
+) -> Router:
+    r = Router(policy, block_size=B, seed=1, clock=clock or Clock(), **options)
+    for worker in workers:
+        r.apply_metrics(load(worker))
+    return r
+
+
+def test_the_worker_holding_the_prefix_wins_and_predicts_the_engines_count() -> None:
+    r = router()
+    r.apply_kv(kv("b", stored([1, 2, 3], PROMPT[:12])))
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "b"
+    assert decision.matched_tokens == 12 and decision.predicted_cached_tokens == 12
+    r.finished(decision)
+    # A prompt that is exactly the held blocks: vLLM recomputes its last block.
+    whole = r.route(PROMPT[:12])
+    assert whole is not None and whole.worker == "b"
+    assert (whole.matched_tokens, whole.predicted_cached_tokens) == (12, 8)
+
+
+def test_load_outweighs_a_short_prefix_per_the_weights() -> None:
+    r = router(weights=CostWeights(prefill=1, waiting=4, running=2))
+    r.apply_kv(kv("b", stored([1], PROMPT[:4])))  # saves b one block of prefill
+    r.apply_metrics(load("b", running=1))  # costs b two
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "a"
+    heavy_prefix = router(weights=CostWeights(prefill=5, waiting=4, running=2))
+    heavy_prefix.apply_kv(kv("b", stored([1], PROMPT[:4])))
+    heavy_prefix.apply_metrics(load("b", running=1))
+    decision = heavy_prefix.route(PROMPT)
+    assert decision is not None and decision.worker == "b"
+
+
+def test_a_burst_follows_the_first_request_before_any_event() -> None:
+    clock = Clock()
+    r = router(clock=clock)
+    first = r.route(PROMPT)
+    assert first is not None and first.matched_tokens == 0
+    # Same prompt at once: the first one's blocks are assumed there (8 blocks of
+    # prefill saved outweigh one more request in flight).
+    second = r.route(PROMPT)
+    assert second is not None and second.worker == first.worker
+    assert second.matched_tokens == 32
+    # Both end; no event ever confirmed the blocks: after ``linger`` they are forgotten.
+    r.finished(first)
+    r.finished(second)
+    clock.now += r.linger + 0.1
+    third = r.route(PROMPT)
+    assert third is not None and third.matched_tokens == 0
+
+
+def test_blocks_the_engine_reported_follow_its_events_once_the_request_ends() -> None:
+    r = router()
+    first = r.route(PROMPT)
+    assert first is not None
+    hashes = list(range(1, 9))
+    r.apply_kv(kv(first.worker, stored(hashes, PROMPT[:32])))
+    r.finished(first)
+    r.apply_kv(kv(first.worker, BlockRemoved(hashes[4:], "GPU")))  # evicted right away
+    again = r.route(PROMPT)
+    assert again is not None and again.worker == first.worker
+    assert again.matched_tokens == 16  # not the 32 the request had put there
+
+
+def test_stale_stopped_and_down_workers_get_no_traffic() -> None:
+    clock = Clock()
+    r = router(clock=clock, stale_after=5.0)
+    r.apply_kv(kv("a", stored([1, 2], PROMPT[:8])))
+    clock.now += 3
+    r.apply_metrics(load("b"))
+    clock.now += 3  # a's metrics are 6 s old, b's 3 s
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "b"
+    assert r.eligible() == ["b"]
+
+    r.apply_metrics(load("a"))
+    r.mark_down("b", 10)
+    assert {r.route(PROMPT).worker for _ in range(5)} == {"a"}  # type: ignore[union-attr]
+
+    r.apply_metrics(Message("a", 1, 2, Kind.CONTROL, 0.0, SourceStopped(), b"", 0))
+    assert r.route(PROMPT) is None  # a stopped, b down
+    clock.now += 11
+    r.apply_metrics(load("b"))  # b's next record after the down time
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "b"
+
+
+def test_exclude_skips_a_worker_for_one_decision() -> None:
+    r = router()
+    r.apply_kv(kv("a", stored([1, 2], PROMPT[:8])))
+    decision = r.route(PROMPT, exclude={"a"})
+    assert decision is not None and decision.worker == "b"
+
+
+@pytest.mark.parametrize("policy", [Policy.ROUND_ROBIN, Policy.RANDOM])
+def test_load_blind_policies_use_only_live_workers(policy: Policy) -> None:
+    clock = Clock()
+    r = router(policy.value, ("a", "b", "c"), clock=clock)
+    r.apply_kv(kv("a", stored([1, 2], PROMPT[:8])))
+    picks = [r.route(PROMPT) for _ in range(30)]
+    assert {p.worker for p in picks if p} == {"a", "b", "c"}
+    # Their predictions still come from the index (first visits: nothing in flight yet).
+    first = {p.worker: p.matched_tokens for p in reversed(picks) if p}
+    assert first == {"a": 8, "b": 0, "c": 0}
+    if policy is Policy.ROUND_ROBIN:
+        assert [p.worker for p in picks[:6] if p] == [p.worker for p in picks[3:9] if p]
+    clock.now += 10
+    r.apply_metrics(load("c"))
+    assert {r.route(PROMPT).worker for _ in range(10)} == {"c"}  # type: ignore[union-attr]
+
+
+def test_a_restart_clears_only_that_workers_prefix() -> None:
+    r = router()
+    r.apply_kv(kv("a", stored([1, 2], PROMPT[:8])))
+    r.apply_kv(kv("b", stored([7], PROMPT[:4])))
+    r.apply_kv(Resync("a", 2, ResyncReason.NEW_EPOCH))
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "b" and decision.matched_tokens == 4
+
+
+def test_blocks_offloaded_to_cpu_count_less_than_on_gpu() -> None:
+    clock = Clock()
+    r = router(weights=CostWeights(prefill=1, running=1), clock=clock)
+    cpu = BlockStored([1, 2, 3, 4], None, PROMPT[:16], B, None, "CPU", None)
+    r.apply_kv(kv("a", cpu))  # 4 blocks at weight 0.5: saves 2
+    r.apply_kv(kv("b", stored([9, 8, 7], PROMPT[:12])))  # 3 on the GPU: saves 3
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "b"
+    r.finished(decision)
+    clock.now += r.linger + 0.1  # the request's own blocks are forgotten
+    r.apply_metrics(load("b", running=2))  # now b costs 2 more: a wins
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "a" and decision.matched_tokens == 16

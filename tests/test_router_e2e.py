@@ -1,0 +1,143 @@
+"""examples/nats_router.py in front of two real vLLM CPU servers over NATS (JetStream),
+run as operators run it: its own process, ``--worker NAME=URL``, ``--policy``.
+
+Each engine's KV cache (40 blocks) holds 5 of the 8 tenants' prefixes (8 blocks each),
+so the policy decides how much is found cached; what counts is what the engines report
+(``usage.prompt_tokens_details.cached_tokens`` and their Prometheus counters)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster import RouterProcess, free_port, wait_listening
+from router_demo import Cluster, workload
+
+WORKERS = {"a/dp0", "b/dp0"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("router-cluster"), blocks=40)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def router(cluster: Cluster) -> Iterator[RouterProcess]:
+    process = RouterProcess(cluster.directory, cluster.workers, "kv", cluster.nats.url)
+    process.launch()
+    try:
+        process.wait_ready(2, timeout=60)
+        yield process
+    finally:
+        process.stop()
+
+
+def post(url: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any], Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.load(e)
+
+
+async def test_kv_policy_doubles_the_engines_hit_rate_and_predicts_it(cluster: Cluster) -> None:
+    requests = workload(seed=7, tenants=8, rounds=32)
+    kv = await cluster.run_policy("kv", requests, concurrency=2)
+    round_robin = await cluster.run_policy("round_robin", requests, concurrency=2)
+
+    for row in (kv, round_robin):
+        assert len(row.ok) == len(requests), [r.status for r in row.results]
+        assert {r.worker for r in row.ok} == WORKERS
+        # The engines' own counters tell the same story as the responses' usage.
+        assert row.engine_hit_rate == pytest.approx(row.hit_rate, abs=0.02)
+    assert kv.hit_rate >= 2 * round_robin.hit_rate, (kv.hit_rate, round_robin.hit_rate)
+    # What the router believed each engine held is what each engine found.
+    assert kv.predicted_exactly >= 0.95, [(r.predicted, r.cached_tokens) for r in kv.ok]
+
+
+def test_responses_pass_through_unchanged(cluster: Cluster, router: RouterProcess) -> None:
+    model = str(cluster.model)
+    body = {"model": model, "prompt": list(range(5, 75)), "max_tokens": 3, "ignore_eos": True}
+    status, headers, routed = post(f"{router.url}/v1/completions", body)
+    assert status == 200 and headers["x-kvbus-worker"] in WORKERS
+    assert routed["usage"]["prompt_tokens"] == 70  # token ids, as vLLM takes them
+    base = cluster.workers[headers["x-kvbus-worker"].split("/")[0]]
+    _, _, direct = post(f"{base}/v1/completions", body)
+    assert set(routed) == set(direct) and routed["usage"].keys() == direct["usage"].keys()
+
+    with urllib.request.urlopen(f"{router.url}/v1/models", timeout=10) as response:
+        assert json.load(response)["data"][0]["id"] == model
+    with urllib.request.urlopen(f"{router.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "kvbus_router_requests_total" in text and "kvbus_router_eligible_workers 2.0" in text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'{"model": "x", "prompt": ', id="invalid-json"),
+        pytest.param({"model": "no-such-model", "prompt": "w5 w6"}, id="unknown-model"),
+        pytest.param(None, id="prompt-too-long"),
+        pytest.param({"prompt": "w5", "max_tokens": -1}, id="bad-parameter"),
+    ],
+)
+def test_bad_input_gets_vllms_own_answer(
+    cluster: Cluster, router: RouterProcess, body: bytes | dict[str, Any] | None
+) -> None:
+    model = str(cluster.model)
+    if body is None:
+        body = {"model": model, "prompt": " ".join(["w7"] * 600), "max_tokens": 4}
+    elif isinstance(body, dict):
+        body = {"model": model} | body
+    routed = post(f"{router.url}/v1/completions", body)
+    direct = post(f"{cluster.servers[0].url}/v1/completions", body)
+    assert 400 <= routed[0] < 500
+    assert (routed[0], routed[2]) == (direct[0], direct[2])
+    # ... and the router keeps serving.
+    ok = post(f"{router.url}/v1/completions", {"model": model, "prompt": "w5 w6", "max_tokens": 1})
+    assert ok[0] == 200
+
+
+def test_no_worker_alive_is_503_in_vllms_shape(cluster: Cluster, tmp_path: Path) -> None:
+    ghost = RouterProcess(
+        tmp_path, {"ghost": f"http://127.0.0.1:{free_port()}"}, "kv", cluster.nats.url
+    )
+    ghost.launch()
+    try:
+        assert ghost.process is not None
+        wait_listening(ghost.port, ghost.process, "router", timeout=60)
+        status, _, body = post(f"{ghost.url}/v1/completions", {"model": "m", "prompt": "w5"})
+        assert status == 503
+        assert body["error"]["code"] == 503 and body["error"]["type"] and body["error"]["message"]
+        status, _, _ = post(f"{ghost.url}/v1/completions", {"model": "m", "prompt": "w5"})
+        assert status == 503  # still serving
+    finally:
+        ghost.stop()
+
+
+def test_an_unreachable_worker_is_skipped(cluster: Cluster, tmp_path: Path) -> None:
+    """Worker ``a`` publishes load but the router's URL for it refuses connections: its
+    requests go to ``b`` and ``a`` gets nothing more while marked down."""
+    workers = cluster.workers | {"a": f"http://127.0.0.1:{free_port()}"}
+    process = RouterProcess(tmp_path, workers, "round_robin", cluster.nats.url)
+    process.launch()
+    try:
+        process.wait_ready(2, timeout=60)
+        body = {"model": str(cluster.model), "prompt": "w5 w6", "max_tokens": 1}
+        answers = [post(f"{process.url}/v1/completions", body) for _ in range(6)]
+        assert [a[0] for a in answers] == [200] * 6
+        assert {a[1]["x-kvbus-worker"] for a in answers} == {"b/dp0"}
+    finally:
+        process.stop()
