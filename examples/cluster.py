@@ -278,8 +278,9 @@ class RouterProcess(Server):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, workers: int, timeout: float = 30) -> None:
-        """Until ``workers`` workers may get traffic (their metrics arrived)."""
+    def wait_ready(self, workers: int, timeout: float = 30, tokenizer: bool = True) -> None:
+        """Until ``workers`` workers may get traffic (their metrics arrived) and, with
+        ``tokenizer``, the router has the served model's tokenizer."""
         assert self.process is not None
         wait_listening(self.port, self.process, self.name, timeout)
         deadline = time.monotonic() + timeout
@@ -287,7 +288,7 @@ class RouterProcess(Server):
             with contextlib.suppress(OSError, ValueError):
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     ready = json.load(response)
-                    if len(ready["eligible"]) >= workers and ready["tokenizer"]:
+                    if len(ready["eligible"]) >= workers and (ready["tokenizer"] or not tokenizer):
                         return
             time.sleep(0.2)
         raise RuntimeError(f"router saw fewer than {workers} workers:\n{self.log_tail()}")

@@ -40,6 +40,7 @@ from kvbus.router import CostWeights, Decision, Policy, Router
 
 log = logging.getLogger("kvbus.router")
 _RANK = re.compile(r"/dp(\d+)$")
+_STREAM_TAIL = 8192
 _HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "server", "date"}
 
 
@@ -65,7 +66,7 @@ class Metrics:
             "predicted_cached_tokens", "Prompt tokens the router expected found cached"
         )
         self.reported = counter(
-            "reported_cached_tokens", "Cached prompt tokens the engines reported (non-streamed)"
+            "reported_cached_tokens", "Cached prompt tokens the engines reported in usage"
         )
         self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
@@ -312,15 +313,17 @@ class RouterApp:
             body = bytearray()
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
-                if not streamed:
-                    body += chunk
+                body += chunk
+                if streamed:  # only the tail matters: usage rides on the last event
+                    del body[: max(0, len(body) - _STREAM_TAIL)]
             await response.write_eof()
         self.metrics.requests.labels(*labels, str(upstream.status)).inc()
         if upstream.status == 200:
             self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
             self.metrics.predicted.labels(*labels).inc(decision.predicted_cached_tokens)
-            if body:
-                self.metrics.reported.labels(*labels).inc(_cached_tokens(bytes(body)))
+            reported = _cached_tokens(bytes(body), streamed)
+            if reported is not None:
+                self.metrics.reported.labels(*labels).inc(reported)
         return response
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
@@ -356,11 +359,16 @@ class _Unreachable(Exception):
     """The worker refused or dropped the connection before answering (safe to retry)."""
 
 
-def _cached_tokens(body: bytes) -> int:
+def _cached_tokens(body: bytes, streamed: bool) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a response (a stream's usage is
+    in its last data event, sent with ``stream_options.include_usage``); None: no usage."""
+    if streamed:
+        events = [line[6:] for line in body.splitlines() if line.startswith(b"data: {")]
+        body = events[-1] if events else b""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-        details = json.loads(body)["usage"].get("prompt_tokens_details") or {}
-        return int(details.get("cached_tokens") or 0)
-    return 0
+        usage = json.loads(body)["usage"]
+        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -77,11 +77,31 @@ def test_responses_pass_through_unchanged(cluster: Cluster, router: RouterProces
     _, _, direct = post(f"{base}/v1/completions", body)
     assert set(routed) == set(direct) and routed["usage"].keys() == direct["usage"].keys()
 
+    # Streamed: the chunks pass through, and the usage on the last one is counted.
+    stream = body | {"stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(
+        f"{router.url}/v1/completions",
+        json.dumps(stream).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]"
+    usage = json.loads(events[-2][6:])["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 64  # the same prompt again
+
     with urllib.request.urlopen(f"{router.url}/v1/models", timeout=10) as response:
         assert json.load(response)["data"][0]["id"] == model
     with urllib.request.urlopen(f"{router.url}/metrics", timeout=10) as response:
         text = response.read().decode()
     assert "kvbus_router_requests_total" in text and "kvbus_router_eligible_workers 2.0" in text
+    reported = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvbus_router_reported_cached_tokens_total")
+    )
+    assert reported >= 64
 
 
 @pytest.mark.parametrize(
@@ -139,5 +159,25 @@ def test_an_unreachable_worker_is_skipped(cluster: Cluster, tmp_path: Path) -> N
         answers = [post(f"{process.url}/v1/completions", body) for _ in range(6)]
         assert [a[0] for a in answers] == [200] * 6
         assert {a[1]["x-kvbus-worker"] for a in answers} == {"b/dp0"}
+    finally:
+        process.stop()
+
+
+def test_every_worker_unreachable_is_503_and_serving_goes_on(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Both engines publish load, but neither URL answers (their HTTP servers gone): each
+    refusal marks that worker down, then the router says 503, and still answers /health."""
+    workers = {name: f"http://127.0.0.1:{free_port()}" for name in cluster.workers}
+    process = RouterProcess(tmp_path, workers, "kv", cluster.nats.url)
+    process.launch()
+    try:
+        process.wait_ready(2, timeout=60, tokenizer=False)  # both alive by their metrics
+        body = {"model": str(cluster.model), "prompt": "w5 w6", "max_tokens": 1}
+        status, _, answer = post(f"{process.url}/v1/completions", body)
+        assert status == 503 and answer["error"]["code"] == 503
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{process.url}/health", timeout=10)
+        assert health.value.code == 503  # nobody eligible while marked down
     finally:
         process.stop()
