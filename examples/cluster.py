@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +42,41 @@ def free_port(pair: bool = False) -> int:
             return port
 
 
-def wait_listening(
-    port: int, process: subprocess.Popen[bytes], what: str, timeout: float = 20
+def wait_until(
+    ready: Callable[[], object],
+    process: subprocess.Popen[bytes],
+    what: str,
+    timeout: float,
+    interval: float = 0.2,
 ) -> None:
+    """Poll ``ready`` (OSError and ValueError count as not yet) until it is true, while
+    ``process`` runs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"{what}: exited with {process.returncode}")
+        with contextlib.suppress(OSError, ValueError):
+            if ready():
                 return
-        time.sleep(0.02)
-    raise RuntimeError(f"{what} did not listen on {port}")
+        time.sleep(interval)
+    raise RuntimeError(f"{what}: not ready after {timeout} s")
+
+
+def wait_listening(
+    port: int, process: subprocess.Popen[bytes], what: str, timeout: float = 20
+) -> None:
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_until(listening, process, f"{what} on port {port}", timeout, 0.02)
+
+
+def get_json(url: str) -> Any:
+    """GET ``url``: its JSON body ({} when empty); an HTTP error status raises."""
+    with urllib.request.urlopen(url, timeout=2) as response:
+        body = response.read()
+    return json.loads(body) if body else {}
 
 
 def make_model(directory: Path, hidden_size: int = 256, layers: int = 2) -> None:
@@ -145,6 +169,14 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def wait(self, ready: Callable[[], object], timeout: float, interval: float = 0.2) -> None:
+        """`wait_until` this server's process, its log's tail in the error."""
+        assert self.process is not None
+        try:
+            wait_until(ready, self.process, self.name, timeout, interval)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{self.log_tail()}") from None
+
     def log_tail(self, chars: int = 3000) -> str:
         with contextlib.suppress(OSError):
             return (self.data_dir / f"{self.name}.log").read_text(errors="replace")[-chars:]
@@ -225,16 +257,7 @@ class VllmServer(Server):
         )
 
     def wait_healthy(self, timeout: float = 300) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not become healthy:\n{self.log_tail()}")
+        self.wait(lambda: get_json(f"{self.url}/health") is not None, timeout, 0.5)
 
     @property
     def url(self) -> str:
@@ -281,14 +304,9 @@ class RouterProcess(Server):
     def wait_ready(self, workers: int, timeout: float = 30, tokenizer: bool = True) -> None:
         """Until ``workers`` workers may get traffic (their metrics arrived) and, with
         ``tokenizer``, the router has the served model's tokenizer."""
-        assert self.process is not None
-        wait_listening(self.port, self.process, self.name, timeout)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    ready = json.load(response)
-                    if len(ready["eligible"]) >= workers and (ready["tokenizer"] or not tokenizer):
-                        return
-            time.sleep(0.2)
-        raise RuntimeError(f"router saw fewer than {workers} workers:\n{self.log_tail()}")
+
+        def ready() -> bool:
+            health = get_json(f"{self.url}/health")  # 503 (raises) while nobody is eligible
+            return len(health["eligible"]) >= workers and (health["tokenizer"] or not tokenizer)
+
+        self.wait(ready, timeout)

@@ -55,6 +55,16 @@ def block_keys(
     return keys
 
 
+def mask_numbers(mask: int) -> list[int]:
+    """The set bits of a holder mask (worker numbers), lowest first; quick for few bits."""
+    numbers = []
+    while mask:
+        lowest = mask & -mask
+        numbers.append(lowest.bit_length() - 1)
+        mask ^= lowest
+    return numbers
+
+
 class _Worker:
     __slots__ = ("bit", "held", "media")
 
@@ -243,10 +253,8 @@ class PrefixIndex:
         never go stale because worker numbers are never reused."""
         names = self._names
         if mask.bit_count() <= 64:  # few workers: walk the set bits
-            while mask:
-                lowest = mask & -mask
-                result[names[lowest.bit_length() - 1]] = tokens
-                mask ^= lowest
+            for number in mask_numbers(mask):
+                result[names[number]] = tokens
             return
         group = self._groups.get((mask, tokens))
         if group is None:

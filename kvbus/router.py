@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbus.events import LoadMetrics, SourceStopped
-from kvbus.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex
+from kvbus.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex, mask_numbers
 from kvbus.subscribe import Message, Resync
 
 _MASK_CACHE: Final = 256
@@ -210,10 +210,10 @@ class Router:
         if self.policy is Policy.ROUND_ROBIN:
             self._turn += 1
             number = int(eligible[self._turn % len(eligible)])
-            return number, float(load[number]), self._held_blocks(number, keys)
+            return number, float(load[number]), self._depth(number, keys)
         if self.policy is Policy.RANDOM:
             number = int(self._rng.choice(eligible))
-            return number, float(load[number]), self._held_blocks(number, keys)
+            return number, float(load[number]), self._depth(number, keys)
         depth = self._depths(keys, len(load))
         saved = self._weighted(depth, keys) if self.index.offloaded else depth
         cost = load + self.weights.prefill * (len(keys) - saved)
@@ -244,24 +244,15 @@ class Router:
                 saved[number] = top - len(stored) + self.index.weighted_blocks(name, stored)
         return saved
 
-    def _held_blocks(self, number: int, keys: list[int]) -> int:
-        """Leading ``keys`` one worker holds or is about to."""
-        pending = self._pending.get(number, {})
-        name = self.index.worker_name(number)
-        depth = 0
-        while depth < len(keys) and (keys[depth] in pending or self.index.holds(name, keys[depth])):
-            depth += 1
-        return depth
+    def _depth(self, number: int, keys: list[int]) -> int:
+        """Leading blocks of ``keys`` one worker holds or is about to."""
+        groups = self.index.match_masks(keys, self._pending_masks)
+        return next((blocks for mask, blocks in reversed(groups) if mask >> number & 1), 0)
 
     def _numbers(self, mask: int) -> npt.NDArray[np.intp]:
         """The worker numbers in a holder mask (large ones recur: cached)."""
         if mask.bit_count() <= _FEW:
-            numbers = []
-            while mask:
-                lowest = mask & -mask
-                numbers.append(lowest.bit_length() - 1)
-                mask ^= lowest
-            return np.array(numbers, dtype=np.intp)
+            return np.array(mask_numbers(mask), dtype=np.intp)
         found = self._members.get(mask)
         if found is None:
             if len(self._members) >= _MASK_CACHE:
@@ -339,9 +330,3 @@ class Router:
             for n in np.flatnonzero(np.isfinite(self._load))
             if self._fresh_until.get(int(n), 0.0) > now
         ]
-
-    def inflight(self, worker: str) -> int:
-        return self._inflight.get(self.index.worker_number(worker), 0)
-
-    def load(self, worker: str) -> LoadMetrics | None:
-        return self._metrics.get(self.index.worker_number(worker))
