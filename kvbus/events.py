@@ -47,6 +47,9 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    """vLLM >= 0.33: per block, the tokens after it that its hash covers (lookahead
+    hashing); None when disabled."""
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -89,6 +92,8 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     connector_prefix_cache_queries: int = 0
     """Tokens looked up in the KV connector's external cache (deltas, like the above)."""
     connector_prefix_cache_hits: int = 0
+    kv_cache_blocks: int = 0
+    """Blocks in the engine's KV cache (its capacity); 0: not reported."""
 
 
 # --- control payloads, published by kvbus itself -------------------------------------

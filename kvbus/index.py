@@ -4,17 +4,24 @@ Feed it every item of ``kvbus.subscribe()`` (`PrefixIndex.apply`); ask it how mu
 prompt each worker already holds (`PrefixIndex.match`).
 
 Blocks are keyed on the router's side by a hash chained over their token ids (and the
-LoRA adapter and per-block extra keys), so the index never depends on the engine's hash
-seed or algorithm; each worker keeps a map from the engine's block hash to that key so
-``BlockRemoved`` applies. A worker is a kvbus source (``NAME/dp<rank>`` for vLLM
-engines). Blocks are tracked per medium (GPU, CPU, STORAGE); for hybrid models only
-full-attention groups count. ``AllBlocksCleared``, a `Resync` and a new epoch clear
-exactly that worker's blocks.
+LoRA adapter, the per-block extra keys and, for vLLM >= 0.33 engines that hash ahead,
+the lookahead tokens), so the index never depends on the engine's hash seed or
+algorithm. A worker is a kvbus source (``NAME/dp<rank>`` for vLLM engines). Blocks are
+tracked per medium (GPU, CPU, STORAGE); for hybrid models only full-attention groups
+count. ``AllBlocksCleared``, a `Resync` and a new epoch clear exactly that worker.
+
+Residency is a count, as in the engine: vLLM may cache several copies of one block
+hash (a prompt recomputes its last block even when all of it is cached) and sends a
+``BlockStored`` and, on eviction, a ``BlockRemoved`` for each copy, so a block stays
+held until its last copy goes. Each worker remembers the router key of engine hashes
+for a while after their last copy went, so a block stored under an evicted parent
+still chains (bounded: at most as many remembered as held, and at least 1,024).
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -26,6 +33,7 @@ MEDIUM_BITS: Final = {None: 1, "GPU": 1, "CPU": 2, "STORAGE": 4}
 DEFAULT_MEDIUM_WEIGHTS: Final = {"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.25}
 _FULL_ATTENTION: Final = {None, "full_attention", "mla_attention", "sink_full_attention"}
 _ROOT: Final = 0
+_MIN_REMEMBERED: Final = 1024
 
 
 def block_keys(
@@ -34,23 +42,38 @@ def block_keys(
     lora_name: str | None = None,
     extra_keys: Sequence[Any] | None = None,
     parent: int = _ROOT,
+    lookahead: int | Sequence[Sequence[int]] = 0,
 ) -> list[int]:
     """Router keys of the full blocks of ``token_ids``, chained from ``parent``.
 
-    Each key hashes (parent key, LoRA, the block's extra keys, the block's token bytes)
-    with Python's own hash: fast, and independent of the engine's seed and algorithm,
-    but private to this process (never send keys to another one).
+    Each key hashes (parent key, LoRA, the block's extra keys, the block's token bytes
+    and its lookahead tokens) with Python's own hash: fast, and independent of the
+    engine's seed and algorithm, but private to this process (never send keys to
+    another one). ``lookahead`` is either how many tokens after each block went into
+    its hash (a prompt: a block without that many tokens after it gets no key, as the
+    engine does not cache it) or those tokens per block (a ``BlockStored``).
     """
     data = array("I", token_ids).tobytes()
     step = block_size * 4
+    count = len(token_ids) // block_size
+    ahead = 0
+    if isinstance(lookahead, int):
+        ahead = lookahead * 4
+        if lookahead:
+            count = max(0, (len(token_ids) - lookahead) // block_size)
     keys = []
-    for i in range(len(token_ids) // block_size):
+    for i in range(count):
         extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
         if extra and lora_name is not None and extra[0] == lora_name:
             # vLLM puts the LoRA name first in every block's extra keys; it is hashed on
             # its own here, so a query needs only ``lora_name``, not per-block keys.
             extra = tuple(extra[1:]) or None
-        parent = hash((parent, lora_name, extra, data[i * step : (i + 1) * step]))
+        block = data[i * step : (i + 1) * step]
+        if ahead:
+            block += data[(i + 1) * step : (i + 1) * step + ahead]
+        elif not isinstance(lookahead, int):
+            block += array("I", lookahead[i] if i < len(lookahead) else ()).tobytes()
+        parent = hash((parent, lora_name, extra, block))
         keys.append(parent)
     return keys
 
@@ -66,15 +89,21 @@ def mask_numbers(mask: int) -> list[int]:
 
 
 class _Worker:
-    __slots__ = ("bit", "held", "media")
+    __slots__ = ("bit", "copies", "forgotten", "held", "keys", "number")
 
-    def __init__(self, bit: int) -> None:
-        self.bit = bit
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.bit = 1 << number
         """1 << this worker's number: its place in the index's holder masks."""
-        self.media: dict[int, dict[int | bytes, int]] = {1: {}, 2: {}, 4: {}}
-        """medium bit -> {engine block hash -> router key}"""
+        self.keys: dict[int | bytes, int] = {}
+        """engine block hash -> router key, for held blocks and recently evicted ones"""
+        self.copies: dict[int, dict[int, int]] = {1: {}, 2: {}, 4: {}}
+        """medium bit -> {router key -> cached copies}"""
         self.held: dict[int, int] = {}
-        """router key -> bits of the media holding it"""
+        """router key -> bits of the media holding a copy"""
+        self.forgotten: deque[int | bytes] = deque()
+        """engine hashes whose last copy went, oldest first (their keys are dropped
+        from ``keys`` once more of them are remembered than blocks are held)"""
 
 
 class PrefixIndex:
@@ -85,6 +114,9 @@ class PrefixIndex:
     ) -> None:
         self.block_size = block_size
         """Tokens per block; ``None`` adopts the first full-attention ``BlockStored``'s."""
+        self.lookahead = 0
+        """Tokens after a block that its hash covers (vLLM >= 0.33 with lookahead
+        hashing), learned from the events."""
         self._bit_weights = sorted(
             ((MEDIUM_BITS[m], w) for m, w in medium_weights.items()), key=lambda bw: -bw[1]
         )
@@ -97,8 +129,12 @@ class PrefixIndex:
         self._numbers: dict[str, int] = {}
         self._names: list[str] = []
         self._groups: dict[tuple[int, int], dict[str, int]] = {}
+        self._stored_blocks: list[int] = []
+        """per worker number: GPU blocks stored since first seen (copies included)"""
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
+        self.unknown_removals = 0
+        """Removed blocks this index never saw stored (joined mid-stream, or skipped)."""
         self.offloaded = False
         """Whether a block was ever stored outside the GPU (CPU, STORAGE)."""
 
@@ -125,7 +161,7 @@ class PrefixIndex:
     def _worker(self, worker: str) -> _Worker:
         state = self._workers.get(worker)
         if state is None:
-            state = self._workers[worker] = _Worker(1 << self.worker_number(worker))
+            state = self._workers[worker] = _Worker(self.worker_number(worker))
         return state
 
     def _stored(self, worker: str, event: BlockStored) -> None:
@@ -134,24 +170,35 @@ class PrefixIndex:
         if self.block_size is None:
             self.block_size = event.block_size
         elif event.block_size != self.block_size:
-            return
+            return  # a partial-block entry (fine-grained hashing): never a full block
         state = self._worker(worker)
         bit = MEDIUM_BITS.get(event.medium, 1)
         if bit != 1:
             self.offloaded = True
+        else:
+            self._stored_blocks[state.number] += len(event.block_hashes)
         parent = _ROOT
         if event.parent_block_hash is not None:
-            found = _any_medium(state, event.parent_block_hash)
+            found = state.keys.get(event.parent_block_hash)
             if found is None:
                 self.unchained += len(event.block_hashes)
                 return
             parent = found
+        lookahead: int | Sequence[Sequence[int]] = 0
+        if event.lookahead_token_ids is not None:
+            lookahead = event.lookahead_token_ids
+            self.lookahead = max((len(t) for t in lookahead), default=0)
         keys = block_keys(
-            event.token_ids, self.block_size, event.lora_name, event.extra_keys, parent
+            event.token_ids, self.block_size, event.lora_name, event.extra_keys, parent, lookahead
         )
-        masks, held, blocks, worker_bit = self._masks, state.held, state.media[bit], state.bit
+        known, copies, held = state.keys, state.copies[bit], state.held
+        masks, worker_bit = self._masks, state.bit
         for engine_hash, key in zip(event.block_hashes, keys, strict=False):
-            blocks[engine_hash] = key
+            known[engine_hash] = key
+            count = copies.get(key, 0)
+            copies[key] = count + 1
+            if count:
+                continue
             bits = held.get(key, 0)
             if not bits:
                 masks[key] = masks.get(key, 0) | worker_bit
@@ -160,13 +207,21 @@ class PrefixIndex:
     def _removed(self, worker: str, event: BlockRemoved) -> None:
         state = self._workers.get(worker)
         if state is None:
+            self.unknown_removals += len(event.block_hashes)
             return
         bit = MEDIUM_BITS.get(event.medium, 1)
-        blocks = state.media[bit]
+        copies = state.copies[bit]
         for engine_hash in event.block_hashes:
-            key = blocks.pop(engine_hash, None)
-            if key is not None:
+            key = state.keys.get(engine_hash)
+            count = 0 if key is None else copies.get(key, 0)
+            if key is None or not count:
+                self.unknown_removals += 1
+            elif count > 1:
+                copies[key] = count - 1  # another copy is still cached
+            else:
+                del copies[key]
                 self._drop(state, key, bit)
+                self._forget(state, engine_hash)
 
     def _drop(self, state: _Worker, key: int, bit: int) -> None:
         bits = state.held.get(key, 0) & ~bit
@@ -174,21 +229,35 @@ class PrefixIndex:
             state.held[key] = bits
             return
         state.held.pop(key, None)
-        self._unmask(key, state.bit)
-
-    def _unmask(self, key: int, worker_bit: int) -> None:
-        mask = self._masks.get(key, 0) & ~worker_bit
+        mask = self._masks.get(key, 0) & ~state.bit
         if mask:
             self._masks[key] = mask
         else:
             self._masks.pop(key, None)
 
+    def _forget(self, state: _Worker, engine_hash: int | bytes) -> None:
+        """Remember ``engine_hash``'s key a while (its children may still be stored),
+        and forget the oldest remembered ones beyond the bound."""
+        forgotten = state.forgotten
+        forgotten.append(engine_hash)
+        while len(forgotten) > max(_MIN_REMEMBERED, len(state.held)):
+            oldest = forgotten.popleft()
+            key = state.keys.get(oldest)
+            if key is not None and key not in state.held:
+                del state.keys[oldest]
+
     def clear(self, worker: str) -> None:
         """Forget everything ``worker`` held (it restarted, or its events were lost)."""
         state = self._workers.pop(worker, None)
-        if state is not None:
-            for key in state.held:
-                self._unmask(key, state.bit)
+        if state is None:
+            return
+        masks, clear_bit = self._masks, ~state.bit
+        for key in state.held:
+            mask = masks.get(key, 0) & clear_bit
+            if mask:
+                masks[key] = mask
+            else:
+                masks.pop(key, None)
 
     # --- querying --------------------------------------------------------------------
 
@@ -208,10 +277,13 @@ class PrefixIndex:
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> list[int]:
-        """The router keys of the prompt's full blocks (none before the block size is known)."""
+        """The router keys of the prompt's full blocks (none before the block size is
+        known). Token ids must fit in 32 bits, as the engine's do."""
         if self.block_size is None:
             return []
-        return block_keys(token_ids, self.block_size, lora_name, extra_keys)
+        return block_keys(
+            token_ids, self.block_size, lora_name, extra_keys, lookahead=self.lookahead
+        )
 
     def match_keys(self, keys: Sequence[int]) -> dict[str, int]:
         result: dict[str, int] = {}
@@ -303,6 +375,7 @@ class PrefixIndex:
         if number is None:
             number = self._numbers[worker] = len(self._names)
             self._names.append(worker)
+            self._stored_blocks.append(0)
         return number
 
     def worker_name(self, number: int) -> str:
@@ -314,16 +387,25 @@ class PrefixIndex:
     def blocks(self, worker: str) -> set[int | bytes]:
         """The engine block hashes ``worker`` holds (any medium)."""
         state = self._workers.get(worker)
-        return {h for blocks in state.media.values() for h in blocks} if state else set()
+        if state is None:
+            return set()
+        return {h for h, key in state.keys.items() if key in state.held}
+
+    def copies(self, worker: str, medium: str = "GPU") -> int:
+        """Cached block copies ``worker`` holds in ``medium`` (the engine's count)."""
+        state = self._workers.get(worker)
+        return sum(state.copies[MEDIUM_BITS[medium]].values()) if state else 0
+
+    def resident(self, worker: str) -> int:
+        """Distinct blocks ``worker`` holds on the GPU."""
+        state = self._workers.get(worker)
+        return len(state.copies[1]) if state else 0
+
+    def stored(self, number: int) -> int:
+        """GPU blocks worker ``number`` stored since first seen (each copy; clears and
+        restarts do not reset it): how fast its cache turns over."""
+        return self._stored_blocks[number]
 
     def __len__(self) -> int:
         """Distinct prefix blocks indexed."""
         return len(self._masks)
-
-
-def _any_medium(state: _Worker, engine_hash: int | bytes) -> int | None:
-    for blocks in state.media.values():
-        key = blocks.get(engine_hash)
-        if key is not None:
-            return key
-    return None

@@ -77,10 +77,13 @@ def test_decodes_vllm_map_dialect_field_for_field() -> None:
     assert isinstance(cleared, AllBlocksCleared)
 
 
-def test_our_encoding_is_byte_identical_to_vllms() -> None:
+def test_our_encoding_is_vllms() -> None:
     payload = msgspec.msgpack.Encoder().encode(vllm_batch())
     batch, _ = decode_kv_batch(payload)
-    assert encode(batch) == payload
+    # The same msgpack value, field for field. Not always the same bytes: with 0.33's
+    # lookahead_token_ids a BlockStored may have more than 15 fields, and msgspec then
+    # writes a map16 header (as vLLM 0.33 does) where 0.32's writes a fixmap.
+    assert msgspec.msgpack.decode(encode(batch)) == msgspec.msgpack.decode(payload)
 
 
 def test_decodes_real_engine_scheduler_output() -> None:

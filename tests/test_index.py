@@ -91,6 +91,58 @@ def test_unknown_parent_is_skipped_not_guessed() -> None:
     assert index.unchained == 1 and len(index) == 0
 
 
+def test_a_block_stays_held_until_its_last_copy_goes() -> None:
+    """vLLM caches a prompt's recomputed last block as a second copy under the same
+    hash and sends BlockStored/BlockRemoved per copy."""
+    index = PrefixIndex(B)
+    index.apply(message("a", stored([1, 2], PROMPT[:8])))
+    index.apply(message("a", stored([2], PROMPT[4:8], parent=1)))  # the copy
+    assert index.copies("a") == 3 and index.resident("a") == 2
+    index.apply(message("a", BlockRemoved([2], "GPU")))
+    assert index.match(PROMPT) == {"a": 8} and index.blocks("a") == {1, 2}
+    index.apply(message("a", BlockRemoved([2], "GPU")))
+    assert index.match(PROMPT) == {"a": 4} and index.blocks("a") == {1}
+    index.apply(message("a", BlockRemoved([2], "GPU")))  # one more than was stored
+    assert index.unknown_removals == 1 and index.match(PROMPT) == {"a": 4}
+
+
+def test_a_block_stored_under_an_evicted_parent_still_chains() -> None:
+    index = PrefixIndex(B)
+    index.apply(message("a", stored([1, 2], PROMPT[:8])))
+    index.apply(message("a", BlockRemoved([2], "GPU")))
+    index.apply(message("a", stored([3], PROMPT[8:12], parent=2)))
+    assert index.unchained == 0
+    # The engine cannot hit block 3 without block 2 either: the prefix stops at 1.
+    assert index.match(PROMPT) == {"a": 4}
+    index.apply(message("a", stored([2], PROMPT[4:8], parent=1)))  # recomputed
+    assert index.match(PROMPT) == {"a": 12}
+
+
+def test_remembered_keys_of_evicted_blocks_are_bounded() -> None:
+    index = PrefixIndex(B)
+    for h in range(1, 5001):
+        tokens = [h, h + 1, h + 2, h + 3]
+        index.apply(message("a", stored([h], tokens), BlockRemoved([h], "GPU")))
+    state = index._workers["a"]
+    assert len(state.keys) <= 1024 and len(state.forgotten) <= 1024
+    assert index.resident("a") == 0 and len(index) == 0
+
+
+def test_lookahead_tokens_enter_the_block_keys() -> None:
+    """vLLM 0.33 with lookahead hashing: a block's hash also covers the next L tokens,
+    so equal blocks followed by other tokens are other blocks, and a prompt's block
+    without L tokens after it is never cached."""
+    index = PrefixIndex(B)
+    event = stored([1, 2], PROMPT[:8])
+    event.lookahead_token_ids = [PROMPT[4:6], PROMPT[8:10]]
+    index.apply(message("a", event))
+    assert index.lookahead == 2
+    assert index.match(PROMPT) == {"a": 8}
+    assert index.match(PROMPT[:10]) == {"a": 8}
+    assert index.match(PROMPT[:9]) == {"a": 4}  # block 2 lacks its lookahead tokens
+    assert index.match([*PROMPT[:8], 7, 7]) == {"a": 4}  # other tokens after block 2
+
+
 # --- recorded real vLLM streams (tests/data/record_vllm_streams.py) --------------------
 
 RECORDED = msgspec.msgpack.decode(
