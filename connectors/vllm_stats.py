@@ -28,6 +28,7 @@ from kvbus.events import LoadMetrics
 class KvbusStatLogger(StatLoggerBase):
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
         self.engine_index = engine_index
+        self.vllm_config = vllm_config
         self.interval = float(os.environ.get("KVBUS_METRICS_INTERVAL", "0.25"))
         self.heartbeat = float(os.environ.get("KVBUS_METRICS_HEARTBEAT", "2"))
         self.publisher: kvbus.Publisher | None = None
@@ -94,9 +95,17 @@ class KvbusStatLogger(StatLoggerBase):
                 prefix_cache_hits=hits,
                 connector_prefix_cache_queries=connector_queries,
                 connector_prefix_cache_hits=connector_hits,
+                kv_cache_blocks=self._kv_cache_blocks(),
             ),
             Kind.METRICS,
         )
+
+    def _kv_cache_blocks(self) -> int:
+        """This engine's KV cache capacity: vLLM sets the total of the engines this
+        front end started once they report in (0 until then)."""
+        total = self.vllm_config.cache_config.num_gpu_blocks or 0
+        engines = getattr(self.vllm_config.parallel_config, "data_parallel_size_local", 1)
+        return int(total) // max(1, int(engines or 1))
 
     def _beat(self) -> None:
         while not self._closed.wait(self.heartbeat / 2):

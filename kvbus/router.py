@@ -1,14 +1,29 @@
-"""`Router`: picks the worker for each request from the prefix it holds and its load.
+"""`Router`: picks the worker for each request from the prefix it holds, the room in
+its cache and its load.
 
 Feed it every item of two subscriptions, the kv stream (`Router.apply_kv`) and the
 metrics stream (`Router.apply_metrics`); ask `Router.route` for a prompt's token ids. A
 worker is a kvbus source (``NAME/dp<rank>`` for vLLM engines).
 
-Cost of a worker for a request, in blocks of prefill (lowest wins, ties drawn at random)::
+Cost of a worker for a request, in blocks of prefill (lowest wins; ties drawn by a
+seeded generator, so the same inputs give the same decisions)::
 
-    prefill * blocks it would have to compute
-  + waiting * requests queued there + running * requests running there
+    prefill  * blocks it would have to compute
+  + eviction * blocks it would newly cache * its excess share of recent insertions
+  + waiting  * requests queued there + running * requests running there
   + kv_usage * its KV cache usage (0..1)
+
+The eviction term keeps the fleet's caches working as one. Every block a worker newly
+caches evicts its least recently used one, so a worker that caches more than its share
+(its KV capacity over the fleet's) of what the fleet cached lately keeps its blocks for a
+shorter time than the others: its cache thrashes while theirs sit idle. Its *excess*
+(its share of the fleet's newly cached blocks, over the last fleet-capacity of them,
+divided by its capacity share, less one; zero at or below its share) makes its new blocks
+dearer, so a new conversation goes where it evicts least while a conversation whose
+prefix a worker holds stays there. Insertions are counted from the engines' own
+``BlockStored`` events (decode blocks and other routers' traffic included) plus the
+blocks of requests this router sent that have not ended. Capacity is each engine's
+``LoadMetrics.kv_cache_blocks`` (or the most blocks it was seen holding).
 
 Load comes from the worker's latest `LoadMetrics`, corrected by what this router itself
 sent since: requests it has in flight there beyond those reported running count as
@@ -17,6 +32,8 @@ waiting. A request just routed adds its prompt's blocks to that worker's prefix 
 all miss before the engine's events arrive. A worker stops receiving traffic when its
 metrics are older than ``stale_after`` seconds (the stat logger beats every 2 s), when
 it stops (`SourceStopped`), or for ``seconds`` after `mark_down`.
+
+Every `Decision` carries its terms and the runner-up (`Decision.explain`).
 
 Requires numpy (the ``router`` extra): one vectorised pass over every worker keeps a
 decision at a few tens of microseconds beyond the index lookup with 1,000 workers.
@@ -36,7 +53,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvbus.events import LoadMetrics, SourceStopped
+from kvbus.events import KVEventBatch, LoadMetrics, SourceStopped
 from kvbus.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex, mask_numbers
 from kvbus.subscribe import Message, Resync
 
@@ -55,6 +72,8 @@ class CostWeights(msgspec.Struct, frozen=True, kw_only=True):
     """Weights of the routing cost, in blocks of prefill."""
 
     prefill: float = 1.0
+    eviction: float = 1.0
+    """Per block newly cached, per unit of the worker's excess share of insertions."""
     waiting: float = 4.0
     running: float = 2.0
     kv_usage: float = 8.0
@@ -72,9 +91,31 @@ class Decision(msgspec.Struct, kw_only=True):
     """What the engine should report as ``cached_tokens``: the matched full blocks, less
     the last one when the whole prompt matched (vLLM always computes one token)."""
     cost: float
+    prefill_blocks: float = 0.0
+    """Blocks the worker would compute (held ones off the GPU count in part)."""
+    new_blocks: int = 0
+    """Blocks the worker would newly cache."""
+    excess: float = 0.0
+    """The worker's share of recent insertions over its capacity share, less one."""
+    load: float = 0.0
+    """The load part of ``cost``."""
+    runner_up: str | None = None
+    runner_up_cost: float = math.inf
     keys: list[int] = []
     """The prompt's block keys, added to the worker's prefix while the request runs."""
     number: int = -1
+
+    def explain(self) -> str:
+        """One line: the pick, its terms and the runner-up."""
+        why = (
+            f"{self.policy.value} -> {self.worker}: cost {self.cost:.2f} = prefill "
+            f"{self.prefill_blocks:.2f} of {self.prompt_tokens} tokens (holds "
+            f"{self.matched_tokens}) + evicting {self.new_blocks} at excess "
+            f"{self.excess:.2f} + load {self.load:.2f}"
+        )
+        if self.runner_up is not None:
+            why += f"; runner-up {self.runner_up} at {self.runner_up_cost:.2f}"
+        return why
 
 
 class Router:
@@ -86,7 +127,7 @@ class Router:
         stale_after: float = 5.0,
         linger: float = 1.0,
         medium_weights: dict[str, float] | None = None,
-        seed: int | None = None,
+        seed: int | None = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = Policy(policy)
@@ -99,6 +140,14 @@ class Router:
         # Per worker number (the index's), so the index's holder masks address these.
         self._load: npt.NDArray[np.float64] = np.full(16, np.inf)
         """load cost of each worker; inf: not eligible"""
+        self._capacity = np.zeros(16)
+        """KV cache blocks of each worker (reported, else the most seen held)"""
+        self._inserted = np.zeros(16)
+        """blocks each worker newly cached lately (the window below, plus in flight)"""
+        self._window: deque[tuple[int, int]] = deque()
+        """(worker, blocks) newly cached, oldest first, about a fleet capacity of them"""
+        self._window_blocks = 0
+        self._stored_seen: dict[int, int] = {}
         self._metrics: dict[int, LoadMetrics] = {}
         self._fresh_until: dict[int, float] = {}
         self._down_until: dict[int, float] = {}
@@ -116,17 +165,45 @@ class Router:
     def apply_kv(self, item: Message | Resync) -> None:
         """Apply one item of the kv stream (blocks held; restarts and losses clear)."""
         self.index.apply(item)
-        if isinstance(item, Message) and isinstance(item.body, SourceStopped):
+        if isinstance(item, Resync):
+            return
+        if isinstance(item.body, SourceStopped):
             self._stopped(item.source)
+        elif isinstance(item.body, KVEventBatch):
+            self._count_insertions(item.source)
 
-    def apply_metrics(self, item: Message | Resync) -> None:
-        """Apply one item of the metrics stream (load; liveness)."""
+    def _count_insertions(self, worker: str) -> None:
+        number = self.index.worker_number(worker)
+        self._grow(number)
+        stored = self.index.stored(number)
+        added = stored - self._stored_seen.get(number, 0)
+        self._stored_seen[number] = stored
+        self._capacity[number] = max(self._capacity[number], self.index.resident(worker))
+        if added <= 0:
+            return
+        self._window.append((number, added))
+        self._window_blocks += added
+        self._inserted[number] += added
+        # The window spans about one fleet capacity of insertions: what an LRU cache as
+        # large as the whole fleet would still hold.
+        span = max(float(self._capacity.sum()), 1.0)
+        while self._window_blocks - self._window[0][1] >= span:
+            old, blocks = self._window.popleft()
+            self._window_blocks -= blocks
+            self._inserted[old] -= blocks
+
+    def apply_metrics(self, item: Message | Resync, age: float = 0.0) -> None:
+        """Apply one item of the metrics stream (load; liveness). ``age``: seconds the
+        record had already waited (a record read back from history), less freshness."""
         if not isinstance(item, Message):
             return  # lost load records: the next one replaces them anyway
         if isinstance(item.body, LoadMetrics):
             number = self.index.worker_number(item.source)
+            self._grow(number)
             self._metrics[number] = item.body
-            self._fresh_until[number] = self._clock() + self.stale_after
+            self._fresh_until[number] = self._clock() + self.stale_after - max(0.0, age)
+            if item.body.kv_cache_blocks > 0:
+                self._capacity[number] = item.body.kv_cache_blocks
             self._refresh(number)
         elif isinstance(item.body, SourceStopped):
             self._stopped(item.source)
@@ -142,12 +219,19 @@ class Router:
         self._down_until[number] = self._clock() + seconds
         self._refresh(number)
 
+    def _grow(self, number: int) -> None:
+        """Make room for worker ``number`` in the per-worker arrays."""
+        size = len(self._load)
+        if number < size:
+            return
+        size = max(number + 1, 2 * size)
+        self._load = np.concatenate([self._load, np.full(size - len(self._load), np.inf)])
+        self._capacity = np.concatenate([self._capacity, np.zeros(size - len(self._capacity))])
+        self._inserted = np.concatenate([self._inserted, np.zeros(size - len(self._inserted))])
+
     def _refresh(self, number: int) -> None:
         """Recompute one worker's load cost (inf when it may not get traffic)."""
-        if number >= len(self._load):
-            grown = np.full(max(number + 1, 2 * len(self._load)), np.inf)
-            grown[: len(self._load)] = self._load
-            self._load = grown
+        self._grow(number)
         now = self._clock()
         metrics = self._metrics.get(number)
         if (
@@ -183,15 +267,16 @@ class Router:
             if number < len(load):
                 load[number] = np.inf
         while True:
-            number, cost, blocks = self._choose(load, keys)
-            if number < 0:
+            decision = self._choose(load, keys, len(token_ids))
+            if decision is None:
                 return None
-            if self._fresh_until.get(number, 0.0) > now:
+            if self._fresh_until.get(decision.number, 0.0) > now:
                 break
             # Its metrics went stale since they arrived: out until the next ones.
-            self._load[number] = load[number] = np.inf
-        decision = self._decide(number, keys, blocks, len(token_ids), cost)
+            self._load[decision.number] = load[decision.number] = np.inf
+        number = decision.number
         self._inflight[number] = self._inflight.get(number, 0) + 1
+        self._inserted[number] += decision.new_blocks
         pending = self._pending.setdefault(number, {})
         masks, bit = self._pending_masks, 1 << number
         for key in keys:
@@ -202,25 +287,57 @@ class Router:
         self._refresh(number)
         return decision
 
-    def _choose(self, load: npt.NDArray[np.float64], keys: list[int]) -> tuple[int, float, int]:
-        """(worker number, cost, prefix blocks held) of the pick; number -1: none."""
+    def _choose(
+        self, load: npt.NDArray[np.float64], keys: list[int], prompt_tokens: int
+    ) -> Decision | None:
         eligible = np.flatnonzero(np.isfinite(load))
         if not len(eligible):
-            return -1, math.inf, 0
-        if self.policy is Policy.ROUND_ROBIN:
-            self._turn += 1
-            number = int(eligible[self._turn % len(eligible)])
-            return number, float(load[number]), self._depth(number, keys)
-        if self.policy is Policy.RANDOM:
-            number = int(self._rng.choice(eligible))
-            return number, float(load[number]), self._depth(number, keys)
+            return None
+        if self.policy is not Policy.KV:
+            if self.policy is Policy.ROUND_ROBIN:
+                self._turn += 1
+                number = int(eligible[self._turn % len(eligible)])
+            else:
+                number = int(self._rng.choice(eligible))
+            held = self._depth(number, keys)
+            return self._decide(number, keys, held, prompt_tokens, float(load[number]))
         depth = self._depths(keys, len(load))
         saved = self._weighted(depth, keys) if self.index.offloaded else depth
-        cost = load + self.weights.prefill * (len(keys) - saved)
+        w = self.weights
+        new = len(keys) - depth
+        excess = self._excess(eligible, len(load))
+        cost = load + w.prefill * (len(keys) - saved) + w.eviction * new * excess
         best = float(cost.min())
         ties = np.flatnonzero(cost <= best + 1e-9)
         number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
-        return number, best, int(depth[number])
+        decision = self._decide(number, keys, int(depth[number]), prompt_tokens, best)
+        decision.prefill_blocks = float(len(keys) - saved[number])
+        decision.excess = float(excess[number])
+        cost[number] = np.inf
+        second = int(cost.argmin())
+        if np.isfinite(cost[second]):
+            decision.runner_up = self.index.worker_name(second)
+            decision.runner_up_cost = float(cost[second])
+        return decision
+
+    def _excess(self, eligible: npt.NDArray[np.intp], size: int) -> npt.NDArray[np.float64]:
+        """Per worker: its share of the blocks the eligible workers newly cached lately,
+        over its share of their capacity, less one (zero when at or below its share);
+        scaled down while those blocks would not yet fill the fleet's caches (a block
+        cached into free room evicts nothing)."""
+        excess = np.zeros(size)
+        inserted = self._inserted[eligible]
+        total = float(inserted.sum())
+        if total <= 0:
+            return excess
+        capacity = self._capacity[eligible]
+        known = capacity > 0
+        # A worker of unknown capacity counts as the average known one (or all equal).
+        capacity = np.where(known, capacity, capacity[known].mean() if known.any() else 1.0)
+        fleet = float(capacity.sum())
+        share = (inserted / total) / (capacity / fleet)
+        excess[eligible] = np.maximum(share - 1.0, 0.0) * min(1.0, total / fleet)
+        return excess
 
     def _depths(self, keys: list[int], size: int) -> npt.NDArray[np.float64]:
         """Leading blocks of ``keys`` each worker holds or is about to (requests just
@@ -265,7 +382,7 @@ class Router:
         self, number: int, keys: list[int], blocks: int, prompt_tokens: int, cost: float
     ) -> Decision:
         block_size = self.index.block_size or 0
-        matched = int(blocks) * block_size
+        matched = blocks * block_size
         # vLLM computes at least the last prompt token, so a fully cached prompt reports
         # its last block as computed (whole blocks only).
         cap = (prompt_tokens - 1) // block_size * block_size if block_size else 0
@@ -276,6 +393,9 @@ class Router:
             matched_tokens=matched,
             predicted_cached_tokens=min(matched, max(cap, 0)),
             cost=cost,
+            prefill_blocks=float(len(keys) - blocks),
+            new_blocks=len(keys) - blocks,
+            load=float(self._load[number]),
             keys=keys,
             number=number,
         )
@@ -285,6 +405,9 @@ class Router:
         blocks stay assumed for ``linger`` seconds, until the engine's events tell."""
         number = decision.number
         self._inflight[number] = max(0, self._inflight.get(number, 0) - 1)
+        # Its new blocks are in the engine's events by now (or were never cached).
+        self._inserted[number] = max(0.0, self._inserted[number] - decision.new_blocks)
+        decision.new_blocks = 0
         self._refresh(number)
         # Blocks the engine's events already reported are the index's business from now
         # on (they may be evicted as soon as the request ends); the rest linger.

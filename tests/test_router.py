@@ -65,12 +65,12 @@ def test_the_worker_holding_the_prefix_wins_and_predicts_the_engines_count() -> 
 
 
 def test_load_outweighs_a_short_prefix_per_the_weights() -> None:
-    r = router(weights=CostWeights(prefill=1, waiting=4, running=2))
+    r = router(weights=CostWeights(prefill=1, eviction=0, waiting=4, running=2))
     r.apply_kv(kv("b", stored([1], PROMPT[:4])))  # saves b one block of prefill
     r.apply_metrics(load("b", running=1))  # costs b two
     decision = r.route(PROMPT)
     assert decision is not None and decision.worker == "a"
-    heavy_prefix = router(weights=CostWeights(prefill=5, waiting=4, running=2))
+    heavy_prefix = router(weights=CostWeights(prefill=5, eviction=0, waiting=4, running=2))
     heavy_prefix.apply_kv(kv("b", stored([1], PROMPT[:4])))
     heavy_prefix.apply_metrics(load("b", running=1))
     decision = heavy_prefix.route(PROMPT)
@@ -166,7 +166,7 @@ def test_a_restart_clears_only_that_workers_prefix() -> None:
 
 def test_blocks_offloaded_to_cpu_count_less_than_on_gpu() -> None:
     clock = Clock()
-    r = router(weights=CostWeights(prefill=1, running=1), clock=clock)
+    r = router(weights=CostWeights(prefill=1, eviction=0, running=1), clock=clock)
     cpu = BlockStored([1, 2, 3, 4], None, PROMPT[:16], B, None, "CPU", None)
     r.apply_kv(kv("a", cpu))  # 4 blocks at weight 0.5: saves 2
     r.apply_kv(kv("b", stored([9, 8, 7], PROMPT[:12])))  # 3 on the GPU: saves 3
@@ -177,3 +177,78 @@ def test_blocks_offloaded_to_cpu_count_less_than_on_gpu() -> None:
     r.apply_metrics(load("b", running=2))  # now b costs 2 more: a wins
     decision = r.route(PROMPT)
     assert decision is not None and decision.worker == "a" and decision.matched_tokens == 16
+
+
+# --- the capacity-aware part of the cost ------------------------------------------------
+
+
+def capacity(source: str, blocks: int) -> Message:
+    body = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0, kv_cache_blocks=blocks)
+    return Message(source, 1, 1, Kind.METRICS, 0.0, body, b"", 0)
+
+
+def busy_cache(r: Router, worker: str, blocks: int, first_hash: int) -> None:
+    """``worker`` newly caches ``blocks`` blocks of other prompts."""
+    tokens = [7 + i % 900 for i in range(first_hash, first_hash + blocks * B)]
+    r.apply_kv(kv(worker, stored(list(range(first_hash, first_hash + blocks)), tokens)))
+
+
+def test_a_new_conversation_goes_where_it_evicts_least() -> None:
+    r = router()
+    for worker in ("a", "b"):
+        r.apply_metrics(capacity(worker, 10))
+    busy_cache(r, "a", 16, 1000)  # a cached 16 of the fleet's last 20: it is thrashing
+    busy_cache(r, "b", 4, 2000)
+    r.apply_kv(kv("a", stored([1], PROMPT[:4])))  # ... and holds the shared first block
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "b", decision.explain()
+    assert decision.runner_up == "a" and decision.excess == 0.0
+    # Without the eviction term the one shared block would have pulled it to a.
+    blind = router(weights=CostWeights(eviction=0))
+    for worker in ("a", "b"):
+        blind.apply_metrics(capacity(worker, 10))
+    busy_cache(blind, "a", 16, 1000)
+    busy_cache(blind, "b", 4, 2000)
+    blind.apply_kv(kv("a", stored([1], PROMPT[:4])))
+    assert blind.route(PROMPT).worker == "a"  # type: ignore[union-attr]
+
+
+def test_a_held_conversation_stays_on_the_busier_cache() -> None:
+    r = router()
+    for worker in ("a", "b"):
+        r.apply_metrics(capacity(worker, 10))
+    busy_cache(r, "a", 16, 1000)
+    busy_cache(r, "b", 4, 2000)
+    r.apply_kv(kv("a", stored(list(range(1, 7)), PROMPT[:24])))  # 6 of its 8 blocks
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "a"
+    assert decision.excess > 0 and decision.new_blocks == 2
+    assert "-> a" in decision.explain() and "runner-up b" in decision.explain()
+
+
+def test_capacity_shares_weigh_a_larger_cache_more() -> None:
+    """b's cache is 3x a's: caching 3x as much is its fair share, not an excess."""
+    r = router()
+    r.apply_metrics(capacity("a", 10))
+    r.apply_metrics(capacity("b", 30))
+    busy_cache(r, "a", 5, 1000)
+    busy_cache(r, "b", 15, 2000)
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.excess == 0.0
+
+
+def test_same_inputs_give_the_same_decisions() -> None:
+    def decisions(seed: int) -> list[str]:
+        r = Router(block_size=B, seed=seed, clock=Clock())
+        for worker in "abcd":
+            r.apply_metrics(load(worker))
+        picks = []
+        for i in range(40):
+            decision = r.route([i % 5 + 10] * 12)
+            assert decision is not None
+            picks.append(decision.worker)
+            r.finished(decision)
+        return picks
+
+    assert decisions(3) == decisions(3)
+    assert len(set(decisions(3))) > 1

@@ -1,0 +1,54 @@
+"""The kv policy on a real trace (a slice of Mooncake's), through simulated vLLM prefix
+caches (bench/mooncake.py): the logic of placement under cache pressure, apart from
+engines and timing (bench/bench_routing.py runs the same slice on real engines)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.mooncake import (
+    SLICE,
+    SimEngine,
+    TraceRequest,
+    Workload,
+    hit_rate,
+    load_trace,
+    pooled_hit_rate,
+)
+from bench.mooncake import simulate as simulate_router
+from kvbus.router import CostWeights, Router
+
+ENGINES = 4
+Setting = tuple[Workload, list[TraceRequest], int]
+
+
+@pytest.fixture(scope="module")
+def setting() -> Setting:
+    requests = load_trace(SLICE)
+    workload = Workload()
+    blocks = workload.working_set(requests) // 5  # each cache a fifth of the working set
+    return workload, requests, blocks
+
+
+def test_kv_policy_reaches_the_offline_bound(setting: Setting) -> None:
+    workload, requests, blocks = setting
+    bound = pooled_hit_rate(workload, requests, ENGINES * blocks)
+    unlimited = pooled_hit_rate(workload, requests, 10**6)
+    kv = simulate_router(Router(block_size=32), workload, requests, ENGINES, blocks)
+    engines = [SimEngine(blocks) for _ in range(ENGINES)]
+    round_robin = hit_rate(workload, requests, engines, lambda i, tokens: i % ENGINES)
+    assert 0.5 < bound <= unlimited
+    assert kv >= 0.98 * bound, (kv, bound)
+    assert kv > 1.5 * round_robin, (kv, round_robin)
+
+
+def test_prefix_alone_thrashes_the_cache_holding_the_shared_prompt(
+    setting: Setting,
+) -> None:
+    """Every request of the trace starts with the same block (a system prompt): weighing
+    only the prefix sends new conversations to whichever worker holds it."""
+    workload, requests, blocks = setting
+    blind = Router(weights=CostWeights(eviction=0), block_size=32)
+    prefix_only = simulate_router(blind, workload, requests, ENGINES, blocks)
+    kv = simulate_router(Router(block_size=32), workload, requests, ENGINES, blocks)
+    assert prefix_only < 0.6 * kv, (prefix_only, kv)
