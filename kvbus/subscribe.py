@@ -364,6 +364,9 @@ class Subscription:
         state.held[envelope.seq] = _Held(envelope, position, order, previous)
         self._release(state)
         if state.held and state.gap_deadline is None:
+            if self._gap_timeout <= 0:
+                self._declare_lost(state)
+                return
             self._open_gap(state)
             await self._repair(source, state)
 
@@ -461,11 +464,15 @@ class Subscription:
             if state.gap_deadline is None or (state.gap_deadline > now and not force):
                 continue
             await self._repair(source, state)
-            while state.held:
-                reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
-                self._resync(state, reason, min(state.held) - 1)
-                self._release(state)
-            self._close_gap(state)
+            self._declare_lost(state)
+
+    def _declare_lost(self, state: _SourceState) -> None:
+        """Give up on the seqs missing before the held messages: Resync, then deliver."""
+        while state.held:
+            reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
+            self._resync(state, reason, min(state.held) - 1)
+            self._release(state)
+        self._close_gap(state)
 
     def _decode_body(
         self, envelope: Envelope, position: Position
@@ -538,7 +545,9 @@ def subscribe(
     oldest message the transport retains, ``"latest"`` at the next one published, a
     `Cursor` (or its bytes) where a previous subscription left off. Other options:
     ``follow`` (default True; False ends at the end of history), ``gap_timeout``
-    (seconds to wait for missing seqs before declaring them lost),
+    (seconds to wait for missing seqs before declaring them lost; 0 declares them lost
+    at once without searching history, for streams of state records such as metrics,
+    where only the newest counts),
     ``max_message_bytes``, ``transport``.
 
     Use as ``async for item in kvbus.subscribe(...)``: each item is a `Message` or a

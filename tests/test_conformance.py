@@ -9,6 +9,7 @@ import time
 import kvbus
 from kvbus import Message, Resync, ResyncReason
 from kvbus.events import BlockStored, KVEventBatch, SourceStarted, encode
+from kvbus.transports import open_transport
 
 from .conftest import Bus, Item, kv_payload, last_seq_is, read_until, seqs
 
@@ -267,4 +268,34 @@ async def test_malformed_entries_are_skipped(bus: Bus) -> None:
     items, sub = await history(bus)
     assert seqs(items) == [1, 3]
     assert sub.stats.malformed == 1
+    publisher.close()
+
+
+async def test_reading_only_the_recent_past(bus: Bus) -> None:
+    """``position_at`` + ``gap_timeout=0``: what a router reads at start to learn each
+    engine's latest load, instead of the whole retained history."""
+    publisher = bus.publisher("engine-a", max_batch=8)
+    for i in range(50):
+        publisher.publish(kv_payload(i))
+    assert publisher.flush()
+    await asyncio.sleep(0.05)
+    since = time.time()
+    await asyncio.sleep(0.05)
+    for i in range(50, 100):
+        publisher.publish(kv_payload(i))
+    assert publisher.flush()
+    transport = open_transport(bus.base)
+    try:
+        position = await transport.position_at(bus.stream, since)
+    finally:
+        await transport.aclose()
+    items, sub = await history(bus, cursor=kvbus.Cursor(position), gap_timeout=0)
+    if position is None:  # this backend cannot tell: the whole history
+        assert seqs(items) == list(range(1, 102))
+    else:
+        # Joined mid-epoch: declared at once (no history search), then the recent ones.
+        assert isinstance(items[0], Resync) and items[0].reason is ResyncReason.JOINED
+        assert items[0].lost == (1, 51)
+        assert seqs(items) == list(range(52, 102))
+    assert bus.scheme == "zmq" or position is not None
     publisher.close()

@@ -76,6 +76,15 @@ async def test_out_of_order_gap_repaired_from_history(memory_url: str) -> None:
     assert sub.stats.gaps_repaired >= 1 and sub.stats.gaps_lost == 0
 
 
+async def test_zero_gap_timeout_declares_a_gap_at_once(memory_url: str) -> None:
+    """For state records (metrics): a gap is lost at once, history is not searched, and
+    the late copy is a duplicate."""
+    await append_raw(memory_url, [envelope("a", E1, s) for s in (1, 3, 2, 4)])
+    items, sub = await collect(memory_url, gap_timeout=0)
+    assert [(i.seq if isinstance(i, Message) else i.lost) for i in items] == [1, (2, 2), 3, 4]
+    assert sub.stats.gaps_repaired == 0 and sub.stats.duplicates == 1
+
+
 async def test_gap_filled_by_a_late_live_arrival(memory_url: str) -> None:
     await append_raw(memory_url, [envelope("a", E1, s) for s in (1, 3)])
     sub = kvbus.subscribe(url=memory_url, gap_timeout=30)

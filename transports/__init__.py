@@ -80,6 +80,14 @@ class Transport(abc.ABC):
         ``follow`` the iterator then waits for new entries forever; without it, it ends
         at the newest entry stored when the read started."""
 
+    async def position_at(self, stream: str, wall_time: float) -> Position | None:
+        """A position ``read`` can start after to yield every entry appended at or
+        after ``wall_time`` (seconds since the epoch; a few earlier ones may come too),
+        or None when this backend cannot tell (then read from the oldest entry). A
+        consumer that only wants the recent past (the latest load of each engine) reads
+        that, not the whole retained history."""
+        return None
+
     async def aclose(self) -> None:  # noqa: B027 - optional for backends with no resources
         """Release connections; the transport is not used afterwards."""
 

@@ -13,8 +13,10 @@ retained entry.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from urllib.parse import parse_qs, urlsplit
@@ -30,14 +32,18 @@ class _Stream:
     def __init__(self, maxlen: int) -> None:
         self.lock = threading.Lock()
         self.entries: deque[Entry] = deque(maxlen=maxlen)
+        self.times: deque[float] = deque(maxlen=maxlen)
+        """when each retained entry was appended (wall clock), for `position_at`"""
         self.last_position = 0
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     def append(self, records: Sequence[Record]) -> None:
         with self.lock:
+            now = time.time()
             for record in records:
                 self.last_position += 1
                 self.entries.append(Entry(self.last_position, record.data))
+                self.times.append(now)
             waiters, self.waiters = self.waiters, []
         for loop, future in waiters:
             loop.call_soon_threadsafe(_wake, future)
@@ -55,6 +61,15 @@ class _Stream:
             if start > count // 2:
                 return [self.entries[i] for i in range(start, count)]
             return list(itertools.islice(self.entries, start, None))
+
+    def position_at(self, wall_time: float) -> int:
+        """The position just before the first entry appended at or after ``wall_time``."""
+        with self.lock:
+            # Appends are in time order, bar a clock stepping back: near enough.
+            first = bisect.bisect_left(self.times, wall_time)
+            if first >= len(self.entries):
+                return self.last_position
+            return int(self.entries[first].position) - 1
 
     def wait_after(self, position: int) -> asyncio.Future[None] | None:
         """A future resolved on the next append, or None if there is already news."""
@@ -95,6 +110,9 @@ class MemoryTransport(Transport):
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:
         self._stream(stream).append(records)
+
+    async def position_at(self, stream: str, wall_time: float) -> Position | None:
+        return self._stream(stream).position_at(wall_time)
 
     async def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False

@@ -30,6 +30,7 @@ from its position. Positions are ``stream_seq << 16 | index``.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
@@ -39,7 +40,7 @@ import nats
 import nats.errors
 import nats.js.errors
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
-from kvbus.transports.packing import entries_after, make_packs, split_position
+from kvbus.transports.packing import entries_after, make_packs, position, split_position
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
 
@@ -47,6 +48,7 @@ log = logging.getLogger("kvbus.transports.nats")
 
 DEFAULT_TIMEOUT: Final = 5.0
 _HEADER_ROOM: Final = 512  # room left in max_payload for the headers of one message
+_WHOLE_PACK: Final = 0xFFFF  # an index past any pack's last message
 
 
 class StalledRead(ConnectionError):
@@ -169,6 +171,32 @@ class NatsTransport(Transport):
             return
         async for entry in self._read_ordered(js, name, stream, start, skip, end, follow):
             yield entry
+
+    async def position_at(self, stream: str, wall_time: float) -> Position | None:
+        """From the first stored message at or after ``wall_time`` (the server's
+        clock), found by a consumer that starts there."""
+        name = await self._stream(stream)
+        js = await self._connect()
+        state = (await js.stream_info(name)).state
+        start = datetime.datetime.fromtimestamp(wall_time, datetime.timezone.utc)
+        sub = await js.subscribe(
+            f"kvbus.{stream}.>",
+            stream=name,
+            ordered_consumer=True,
+            config=api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.BY_START_TIME,
+                opt_start_time=start,
+            ),
+        )
+        try:
+            first = (await sub.next_msg(timeout=self.timeout)).metadata.sequence.stream
+        except nats.errors.TimeoutError:
+            first = state.last_seq + 1  # nothing since: start with the next one
+        finally:
+            await _quietly(sub.unsubscribe())
+        if first <= max(state.first_seq, 1):
+            return None  # all of the retained history is that recent
+        return position(first - 1, _WHOLE_PACK)
 
     async def _read_ordered(
         self,

@@ -32,6 +32,7 @@ DEFAULT_MAXLEN: Final = 100_000
 DEFAULT_BLOCK_MS: Final = 1000
 _CHUNK: Final = 512  # entries per XRANGE / XREAD round trip
 _FIELD: Final = b"d"
+_MAX_SEQ: Final = 2**64 - 1
 
 
 class RedisTransport(Transport):
@@ -90,6 +91,11 @@ class RedisTransport(Transport):
                 yield entry
             if batch:
                 last = batch[-1][0]
+
+    async def position_at(self, stream: str, wall_time: float) -> Position | None:
+        # Entry ids are the server's append time in ms: the last possible id of the
+        # millisecond before ``wall_time`` (the server's clock, not ours).
+        return f"{max(0, int(wall_time * 1000) - 1)}-{_MAX_SEQ}/0"
 
     async def _check_trimmed(self, key: str, last: bytes) -> None:
         """Warn when entries after ``last`` were trimmed before this read got them."""
