@@ -11,6 +11,11 @@ operator's whole set-up::
 Without ``KVBUS_URL`` nothing changes. The engine's step loop only pays
 `kvbus.Publisher.publish` (a deque append; the batch is encoded on kvbus's sender thread,
 byte for byte as vLLM's own publisher would), never a blocking queue put.
+
+``KVBUS_KEEP_ZMQ=1`` keeps vLLM's own ZMQ publisher running beside kvbus's, on the
+endpoints of ``--kv-events-config``, for consumers not yet moved to the bus (vLLM's
+router, Dynamo's indexer); the step then also pays that publisher's queue put, which
+blocks when its queue is full, as without kvbus.
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ import logging
 import os
 from typing import Any
 
-from vllm.distributed.kv_events import EventBatch, EventPublisher, EventPublisherFactory
+from vllm.distributed.kv_events import (
+    EventBatch,
+    EventPublisher,
+    EventPublisherFactory,
+    ZmqEventPublisher,
+)
 
 import kvbus
 from kvbus.config import resolve_source
@@ -42,7 +52,8 @@ def engine_source(data_parallel_rank: int) -> str:
 class KvbusEventPublisher(EventPublisher):
     """vLLM ``EventPublisher`` backed by a `kvbus.Publisher` (URL from ``KVBUS_URL``).
 
-    Accepts (and ignores) the ZMQ options vLLM's config passes to a "zmq" publisher.
+    Takes the ZMQ options vLLM's config passes to a "zmq" publisher, for vLLM's own
+    publisher when ``KVBUS_KEEP_ZMQ`` is set (ignored otherwise).
     """
 
     def __init__(
@@ -51,9 +62,12 @@ class KvbusEventPublisher(EventPublisher):
         *,
         url: str | None = None,
         stream: str | None = None,
-        **_zmq_options: Any,
+        **zmq_options: Any,
     ) -> None:
         super().__init__(data_parallel_rank)
+        self.zmq: ZmqEventPublisher | None = None
+        if os.environ.get("KVBUS_KEEP_ZMQ", "").lower() in ("1", "true", "yes"):
+            self.zmq = ZmqEventPublisher(data_parallel_rank, **zmq_options)
         self.publisher = kvbus.Publisher(
             url,
             stream=stream,
@@ -66,9 +80,13 @@ class KvbusEventPublisher(EventPublisher):
         if events.data_parallel_rank is None:
             events.data_parallel_rank = self._data_parallel_rank
         self.publisher.publish(events, Kind.KV)
+        if self.zmq is not None:
+            self.zmq.publish(events)
 
     def shutdown(self) -> None:
         self.publisher.close()
+        if self.zmq is not None:
+            self.zmq.shutdown()
 
 
 def register() -> None:

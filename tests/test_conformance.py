@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvbus.transports import open_transport
+
 import kvbus
 from kvbus import Message, Resync, ResyncReason
 from kvbus.events import BlockStored, KVEventBatch, SourceStarted, encode
-from kvbus.transports import open_transport
 
 from .conftest import Bus, Item, kv_payload, last_seq_is, read_until, seqs
 
@@ -289,7 +290,7 @@ async def test_reading_only_the_recent_past(bus: Bus) -> None:
         position = await transport.position_at(bus.stream, since)
     finally:
         await transport.aclose()
-    items, sub = await history(bus, cursor=kvbus.Cursor(position), gap_timeout=0)
+    items, _ = await history(bus, cursor=kvbus.Cursor(position), gap_timeout=0)
     if position is None:  # this backend cannot tell: the whole history
         assert seqs(items) == list(range(1, 102))
     else:

@@ -31,8 +31,13 @@ def kv(source: str, *events: object) -> Message:
 
 
 def load(source: str, running: int = 0, waiting: int = 0, usage: float = 0.0) -> Message:
-    body = LoadMetrics(ts=0.0, running=running, waiting=waiting, kv_cache_usage=usage)
-    return Message(source, 1, 1, Kind.METRICS, 0.0, body, b"", 0)
+    now = time.time()
+    body = LoadMetrics(ts=now, running=running, waiting=waiting, kv_cache_usage=usage)
+    return Message(source, 1, 1, Kind.METRICS, now, body, b"", 0)
+
+
+def stopped(source: str, ts: float) -> Message:
+    return Message(source, 1, 2, Kind.CONTROL, ts, SourceStopped(), b"", 0)
 
 
 def stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> BlockStored:
@@ -123,12 +128,32 @@ def test_stale_stopped_and_down_workers_get_no_traffic() -> None:
     r.mark_down("b", 10)
     assert {r.route(PROMPT).worker for _ in range(5)} == {"a"}  # type: ignore[union-attr]
 
-    r.apply_metrics(Message("a", 1, 2, Kind.CONTROL, 0.0, SourceStopped(), b"", 0))
+    r.apply_metrics(stopped("a", time.time()))
     assert r.route(PROMPT) is None  # a stopped, b down
     clock.now += 11
     r.apply_metrics(load("b"))  # b's next record after the down time
     decision = r.route(PROMPT)
     assert decision is not None and decision.worker == "b"
+
+
+def test_a_past_runs_stop_replayed_from_history_changes_nothing() -> None:
+    r = router()
+    r.apply_kv(stopped("a", time.time() - 60))  # the engine's previous run ended
+    assert sorted(r.eligible()) == ["a", "b"]
+    r.apply_kv(stopped("a", time.time()))
+    assert r.eligible() == ["b"]
+    r.apply_metrics(load("a"))
+    assert sorted(r.eligible()) == ["a", "b"]
+
+
+def test_a_record_read_back_from_history_is_as_fresh_as_its_age() -> None:
+    clock = Clock()
+    r = router(clock=clock, stale_after=5.0)
+    r.apply_metrics(load("a"), age=6.0)  # already stale when read
+    r.apply_metrics(load("b"), age=3.0)
+    assert r.eligible() == ["b"]
+    clock.now += 2.5
+    assert r.eligible() == []
 
 
 def test_exclude_skips_a_worker_for_one_decision() -> None:

@@ -8,6 +8,7 @@ so the policy decides how much is found cached; what counts is what the engines 
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -101,7 +102,7 @@ def test_responses_pass_through_unchanged(cluster: Cluster, router: RouterProces
     reported = sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("kvbus_router_reported_cached_tokens_total")
+        if line.startswith("kvbus_router_reported_cached_tokens_sum")
     )
     assert reported >= 288
 
@@ -183,3 +184,77 @@ def test_every_worker_unreachable_is_503_and_serving_goes_on(
         assert health.value.code == 503  # nobody eligible while marked down
     finally:
         process.stop()
+
+
+@pytest.mark.parametrize("tokens", [[5, -1, 7], [5, 2**32, 7], [5, 2**40, 7], [5, 1024, 7]])
+def test_token_ids_no_engine_could_take_get_vllms_400(
+    cluster: Cluster, router: RouterProcess, tokens: list[int]
+) -> None:
+    body = {"model": str(cluster.model), "prompt": tokens, "max_tokens": 1}
+    routed = post(f"{router.url}/v1/completions", body)
+    direct = post(f"{cluster.servers[0].url}/v1/completions", body)
+    assert routed[0] == direct[0] == 400
+    assert routed[2] == direct[2]
+
+
+def test_ready_at_once_after_a_restart_with_the_index_complete(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`kvbus router`, started while engine b already holds a prompt: when /health says
+    ready, the index has b's blocks and both workers' load (from the metrics stream's
+    recent past), so the first request goes to b and its cached tokens are predicted
+    exactly; the same after a restart."""
+    prompt = " ".join(f"w{i}" for i in range(400, 560))  # 5 blocks
+    holder = cluster.servers[1]
+    holder.complete(prompt)
+    for attempt in range(2):
+        process = RouterProcess(tmp_path, cluster.workers, "kv", cluster.nats.url, cli=True)
+        process.launch()
+        try:
+            process.wait_ready(2, timeout=60)
+            health = process.health()
+            assert health["ready"] and sorted(health["eligible"]) == sorted(WORKERS)
+            body = {"model": str(cluster.model), "prompt": prompt, "max_tokens": 1}
+            status, headers, answer = post(f"{process.url}/v1/completions", body)
+            assert status == 200, attempt
+            assert headers["x-kvbus-worker"] == f"{holder.source}/dp0"
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert int(headers["x-kvbus-predicted-cached-tokens"]) == cached == 128
+        finally:
+            process.stop()
+
+
+def test_routing_accuracy_is_a_live_metric(cluster: Cluster, router: RouterProcess) -> None:
+    def series() -> dict[str, float]:
+        text = urllib.request.urlopen(f"{router.url}/metrics", timeout=10).read().decode()
+        totals: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("kvbus_router_") and not line.startswith("#"):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                outcome = re.search(r'outcome="(\w+)"', line)
+                key = f"{name}:{outcome.group(1)}" if outcome else name
+                totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        return totals
+
+    before = series()
+    prompt = " ".join(f"w{i}" for i in range(600, 760))
+    body = {"model": str(cluster.model), "prompt": prompt, "max_tokens": 1}
+    answers = [post(f"{router.url}/v1/completions", body) for _ in range(3)]
+    after = series()
+    reported = sum(a[2]["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+    predicted = sum(int(a[1]["x-kvbus-predicted-cached-tokens"]) for a in answers)
+    exact = sum(
+        int(a[1]["x-kvbus-predicted-cached-tokens"])
+        == a[2]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        for a in answers
+    )
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("kvbus_router_reported_cached_tokens_sum") == reported >= 2 * 128
+    assert grew("kvbus_router_predicted_cached_tokens_sum") == predicted
+    assert grew("kvbus_router_predicted_cached_tokens_count") == 3
+    assert grew("kvbus_router_predictions_total:exact") == exact
+    assert sum(grew(f"kvbus_router_predictions_total:{o}") for o in ("exact", "over", "under")) == 3
+    assert grew("kvbus_router_prediction_error_tokens_sum") == reported - predicted

@@ -20,7 +20,7 @@ import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
 from kvbus.index import PrefixIndex
 
-from .conftest import Bus
+from .conftest import Bus, collect
 from .servers import free_port
 
 PLUGIN_URL = "memory://vllm-plugin"
@@ -209,6 +209,86 @@ async def test_consumer_state_equals_the_block_pool(llm: Any, bus: Bus) -> None:
         if sched.kv_event_publisher is not plugin_publisher:
             sched.kv_event_publisher.shutdown()
             sched.kv_event_publisher = plugin_publisher
+
+
+def engine_copies(llm: Any, block_hash: int | bytes) -> int:
+    """How many cached copies of ``block_hash`` the engine's block pool holds."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    pool = scheduler(llm).kv_cache_manager.block_pool
+    for key, blocks in pool.cached_block_hash_to_block._cache.items():
+        if maybe_convert_block_hash(get_block_hash(key)) == block_hash:
+            return len(blocks) if isinstance(blocks, dict) else 1
+    return 0
+
+
+async def test_a_block_cached_twice_is_held_until_its_last_copy_goes(llm: Any) -> None:
+    """Two identical block-aligned prompts at once: the second finds all but the last
+    block cached (vLLM computes at least one token) and caches that block again, a
+    second copy under the same hash. When the engine evicts one copy, the index still
+    holds the block, exactly as the pool does; when the other goes, so does the block."""
+    sched = scheduler(llm)
+    publisher = sched.kv_event_publisher.publisher
+    state = PrefixState()
+    rng = random.Random(5)
+    llm.reset_prefix_cache()
+    prompt = [rng.randrange(3, 1024) for _ in range(4 * BLOCK)]
+    generate(llm, [prompt, prompt])
+    cursor = await catch_up(publisher, PLUGIN_URL, "kv", state, None)
+    last = next(h for h, p in state.prefix_of.items() if p == tuple(prompt))
+    assert engine_copies(llm, last) == 2
+    assert state.index.match(prompt) == {"engine-test/dp0": 4 * BLOCK}
+
+    seen_one_copy = False
+    for _ in range(100):  # other prompts push the copies out one by one
+        generate(llm, [[rng.randrange(3, 1024) for _ in range(BLOCK + 8)]])
+        cursor = await catch_up(publisher, PLUGIN_URL, "kv", state, cursor)
+        copies = engine_copies(llm, last)
+        state.check_index(engine_cached_blocks(llm))
+        assert (last in state.index.blocks("engine-test/dp0")) == (copies > 0)
+        seen_one_copy |= copies == 1
+        if not copies:
+            break
+    assert seen_one_copy and copies == 0
+
+
+async def test_keep_zmq_serves_vllms_own_socket_too(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVBUS_KEEP_ZMQ=1: each batch goes to the bus and, unchanged, to vLLM's own ZMQ
+    socket, for consumers not yet on the bus (vLLM's router, Dynamo's indexer)."""
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+    from vllm.distributed.kv_events import BlockStored as VllmStored
+    from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+
+    monkeypatch.setenv("KVBUS_KEEP_ZMQ", "1")
+    port = free_port()
+    publisher = KvbusEventPublisher(
+        0, url=memory_url, endpoint=f"tcp://*:{port}", replay_endpoint=None, buffer_steps=100,
+        hwm=1000, max_queue_size=1000, topic="",
+    )  # fmt: skip
+    context = zmq.Context()
+    socket = context.socket(zmq.SUB)
+    socket.connect(f"tcp://127.0.0.1:{port}")
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        stored = VllmStored([7], None, list(range(BLOCK)), BLOCK, None, "GPU", None)
+        frames = None
+        for _ in range(100):  # ZeroMQ's slow joiner: publish until the SUB is connected
+            publisher.publish(VllmBatch(ts=1.0, events=[stored]))
+            if socket.poll(100):
+                frames = socket.recv_multipart()
+                break
+        assert frames is not None
+        _topic, _seq, payload = frames
+        assert publisher.publisher.flush()
+        items, _ = await collect(memory_url)
+        batches = [i for i in items if isinstance(i, Message) and i.kind is kvbus.Kind.KV]
+        assert batches and batches[0].payload == payload  # the very bytes vLLM sent
+    finally:
+        publisher.shutdown()
+        socket.close(0)
+        context.term()
 
 
 def test_the_plugin_changes_nothing_without_kvbus_url() -> None:

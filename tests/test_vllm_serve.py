@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -81,3 +82,8 @@ async def test_kv_events_and_load_arrive_from_vllm_serve(
     # Deltas: their sum is what the engine counted (8 prompts of 202 tokens).
     assert sum(b.prefix_cache_queries for b in loads) >= 8 * 202
     assert sum(b.prefix_cache_hits for b in loads) > 0
+    # Each record carries the engine's KV capacity, as vLLM itself reports it.
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"{served}/metrics").read())
+    info = r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"'
+    blocks = re.search(info, text.decode(), re.M)
+    assert blocks is not None and loads[-1].kv_cache_blocks == int(blocks.group(1)) > 0

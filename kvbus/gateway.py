@@ -1,0 +1,556 @@
+"""``kvbus router``: an OpenAI-compatible router in front of vLLM servers, as a service.
+
+Each vLLM server runs with the kvbus plugin and stat logger (``pip install kvbus[vllm]``)
+and ``KVBUS_URL`` pointing at the same bus, with ``KVBUS_SOURCE=NAME``; its KV events
+and load then arrive as sources ``NAME/dp<rank>``. The router follows both streams,
+tokenizes each request as vLLM does (the chat template for chat), asks `kvbus.router`
+which worker to use, and forwards the request there unchanged (data-parallel rank in
+vLLM's ``X-data-parallel-rank`` header); the response, streamed or not, comes back
+unchanged. ``x-kvbus-worker`` and ``x-kvbus-predicted-cached-tokens`` headers are added.
+
+    kvbus router --port 8000 --url nats://127.0.0.1:4222 \\
+        --worker a=http://127.0.0.1:8001 --worker b=http://127.0.0.1:8002 --policy kv
+
+Ready at once after a start or restart: it replays the kv stream's retained history
+before it says ready (the index starts complete), and reads the last ``--stale-after``
+seconds of the metrics stream (each engine's latest load) instead of waiting for the next
+heartbeat. ``/health`` answers 200 only when ready: history replayed, recent load read,
+the served model's tokenizer loaded and some worker alive; 503 (with what is missing in
+its JSON) otherwise.
+
+Requests the router cannot read (invalid JSON, a model it does not know, a prompt it
+cannot tokenize, token ids that are no token ids) go to a live worker unrouted, so the
+client gets vLLM's own error; a prompt too long is routed and vLLM answers. With no
+worker alive the answer is 503 in vLLM's error shape. ``/metrics`` serves Prometheus
+series, among them how exactly each decision predicted the engine's cached tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final
+
+import aiohttp
+import prometheus_client as prom
+from aiohttp import web
+
+import kvbus
+from kvbus.router import CostWeights, Decision, Policy, Router
+from kvbus.subscribe import Message, Resync
+from kvbus.transports import open_transport
+
+log = logging.getLogger("kvbus.router")
+_RANK: Final = re.compile(r"/dp(\d+)$")
+_STREAM_TAIL: Final = 8192
+_HOP_BY_HOP: Final = {
+    "content-length", "transfer-encoding", "connection", "keep-alive", "server", "date",
+}  # fmt: skip
+_TOKEN_BUCKETS: Final = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_ERROR_BUCKETS: Final = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
+_TOKEN_LIMIT: Final = 2**32  # vLLM's token ids are unsigned 32-bit
+
+
+def error_body(message: str, kind: str, status: int) -> web.Response:
+    """An error in vLLM's shape (`ErrorResponse`)."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+class Metrics:
+    """The router's Prometheus series (``/metrics``), per worker and policy."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        per_worker = ("worker", "policy")
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = per_worker) -> prom.Counter:
+            return prom.Counter(f"kvbus_router_{name}", doc, labels, registry=self.registry)
+
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = per_worker
+        ) -> prom.Histogram:
+            return prom.Histogram(
+                f"kvbus_router_{name}", doc, labels, buckets=buckets, registry=self.registry
+            )
+
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(f"kvbus_router_{name}", doc, registry=self.registry)
+
+        self.requests = counter("requests", "Requests forwarded", (*per_worker, "code"))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens routed")
+        self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
+        self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
+        self.bad_items = counter(
+            "bad_stream_items", "Bus items the router could not apply (logged, skipped)", ()
+        )
+        # Routing accuracy, per request whose response carried usage: what the router
+        # expected the engine to find cached, what the engine reported, and the gap.
+        self.predicted = histogram(
+            "predicted_cached_tokens", "Prompt tokens the router expected cached", _TOKEN_BUCKETS
+        )
+        self.reported = histogram(
+            "reported_cached_tokens", "Cached prompt tokens the engine reported", _TOKEN_BUCKETS
+        )
+        self.error = histogram(
+            "prediction_error_tokens",
+            "Reported less predicted cached tokens (negative: the router expected more)",
+            _ERROR_BUCKETS,
+        )
+        self.predictions = counter(
+            "predictions", "Predictions checked against usage, by outcome", (*per_worker, "outcome")
+        )
+        self.decision = histogram(
+            "decision_seconds",
+            "Tokenizing and choosing a worker",
+            (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            (),
+        )
+        self.ttft = histogram(
+            "first_byte_seconds",
+            "Time to the first byte of the worker's response",
+            prom.Histogram.DEFAULT_BUCKETS,
+        )
+        self.eligible = gauge("eligible_workers", "Workers that may get traffic")
+        self.blocks = gauge("indexed_blocks", "Distinct prefix blocks indexed")
+        self.ready = gauge("ready", "1 when /health says ready")
+        self.unchained = gauge(
+            "unchained_blocks", "Stored blocks skipped: their parent was never seen"
+        )
+
+    def observe_prediction(self, decision: Decision, reported: int) -> None:
+        labels = (decision.worker, decision.policy.value)
+        predicted = decision.predicted_cached_tokens
+        self.predicted.labels(*labels).observe(predicted)
+        self.reported.labels(*labels).observe(reported)
+        self.error.labels(*labels).observe(reported - predicted)
+        outcome = "exact" if reported == predicted else "over" if predicted > reported else "under"
+        self.predictions.labels(*labels, outcome).inc()
+
+
+class Tokenizer:
+    """The served model's tokenizer, used the way vLLM's OpenAI server uses it."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf: Any = AutoTokenizer.from_pretrained(path)
+
+    def completion(self, body: dict[str, Any]) -> list[int]:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: route by its first prompt
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        special = body.get("add_special_tokens", True)
+        return list(self.hf(prompt, add_special_tokens=special).input_ids)
+
+    def chat(self, body: dict[str, Any]) -> list[int]:
+        messages = [
+            {**m, "content": _text(m.get("content"))} if isinstance(m, dict) else m
+            for m in body["messages"]
+        ]
+        text = self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tools=body.get("tools"),
+            chat_template=body.get("chat_template"),
+            **(body.get("chat_template_kwargs") or {}),
+        )
+        special = body.get("add_special_tokens", False)
+        return list(self.hf(text, add_special_tokens=special).input_ids)
+
+
+def _text(content: Any) -> Any:
+    """Text parts of a message joined as vLLM's 'string' content format does."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content
+
+
+Tokenize = Callable[[Tokenizer, dict[str, Any]], list[int]]
+
+
+class RouterApp:
+    def __init__(
+        self,
+        workers: dict[str, str],
+        router: Router,
+        url: str,
+        tokenizer: str | None = None,
+        kv_stream: str = "kv",
+        metrics_stream: str = "metrics",
+        down_for: float = 5.0,
+    ) -> None:
+        self.workers = {name: base.rstrip("/") for name, base in workers.items()}
+        self.router = router
+        self.url = url
+        self.tokenizer_path = tokenizer
+        self.tokenizer: Tokenizer | None = None
+        self.kv_stream = kv_stream
+        self.metrics_stream = metrics_stream
+        self.down_for = down_for
+        self.metrics = Metrics()
+        self.loras: set[str] = set()
+        self.models: set[str] = set()
+        self.kv_replayed = False
+        """The kv stream's retained history is in the index."""
+        self.load_read = False
+        """The metrics stream's recent past (each engine's latest load) was read."""
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/health", self.health)
+        app.cleanup_ctx.append(self._lifetime)
+        return app
+
+    async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        # No total timeout: generations take as long as they take; a dead worker shows
+        # as a refused or timed-out connection.
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
+        self._tasks = [
+            asyncio.create_task(self._follow_kv()),
+            asyncio.create_task(self._follow_metrics()),
+            asyncio.create_task(self._discover()),
+        ]
+        yield
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.session.close()
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self.kv_replayed
+            and self.load_read
+            and self.tokenizer is not None
+            and bool(self.router.eligible())
+        )
+
+    async def _follow_kv(self) -> None:
+        """The kv stream's history (until it ends, then ready), then its live tail."""
+        cursor = await self._read(self.kv_stream, None, False, self.router.apply_kv)
+        self.kv_replayed = True
+        await self._read(self.kv_stream, cursor, True, self.router.apply_kv)
+
+    async def _follow_metrics(self) -> None:
+        """The metrics stream from ``stale_after`` seconds ago (older records would be
+        stale anyway) to its end, then ready, then its live tail. Load records are
+        state, not history: a gap is not worth waiting for (``gap_timeout=0``)."""
+        position = None
+        transport = open_transport(self.url)
+        try:
+            since = time.time() - self.router.stale_after
+            position = await transport.position_at(self.metrics_stream, since)
+        except Exception as error:  # then read what is retained
+            log.warning("could not find the recent past of %s: %r", self.metrics_stream, error)
+        finally:
+            await transport.aclose()
+
+        def apply_aged(item: Message | Resync) -> None:
+            age = time.time() - item.ts if isinstance(item, Message) else 0.0
+            self.router.apply_metrics(item, age)
+
+        cursor = kvbus.Cursor(position)
+        cursor = await self._read(self.metrics_stream, cursor, False, apply_aged, 0)
+        self.load_read = True
+        await self._read(self.metrics_stream, cursor, True, self.router.apply_metrics, 0)
+
+    async def _read(
+        self,
+        stream: str,
+        cursor: kvbus.Cursor | None,
+        follow: bool,
+        apply: Callable[[Message | Resync], None],
+        gap_timeout: float | None = None,
+    ) -> kvbus.Cursor:
+        """Apply ``stream`` from ``cursor`` (to its end, or for good with ``follow``),
+        only configured workers' items; after a failure, resume where it stopped (so
+        nothing is applied twice). Returns the cursor after the end."""
+        options: dict[str, Any] = {} if gap_timeout is None else {"gap_timeout": gap_timeout}
+        while True:
+            sub = kvbus.subscribe(stream, self.url, cursor=cursor, follow=follow, **options)
+            try:
+                async with sub:
+                    async for item in sub:
+                        if not self._known(item.source):
+                            continue
+                        try:
+                            apply(item)
+                        except Exception:  # one bad item must not stop the router
+                            self.metrics.bad_items.inc()
+                            log.exception("could not apply %s item from %s", stream, item.source)
+                return sub.cursor
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("following %s failed; again in 1 s", stream)
+                cursor = sub.cursor
+                await asyncio.sleep(1)
+
+    def _known(self, source: str) -> bool:
+        return _RANK.sub("", source) in self.workers
+
+    async def _discover(self) -> None:
+        """Served model names (and the tokenizer, unless given) from the first worker
+        that answers."""
+        assert self.session is not None
+        if self.tokenizer_path:
+            self.tokenizer = await asyncio.to_thread(Tokenizer, self.tokenizer_path)
+        while True:
+            for base in self.workers.values():
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    async with self.session.get(f"{base}/v1/models") as response:
+                        cards = (await response.json())["data"]
+                    self.models = {c["id"] for c in cards}
+                    self.loras = {c["id"] for c in cards if c.get("parent")}
+                    if self.tokenizer is None:
+                        root = next(c.get("root") or c["id"] for c in cards if not c.get("parent"))
+                        self.tokenizer = await asyncio.to_thread(Tokenizer, root)
+                        log.info("tokenizer from %s", root)
+                    log.info("models %s", sorted(self.models))
+                    return
+            await asyncio.sleep(1)
+
+    # --- handlers --------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda t, body: t.completion(body))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda t, body: t.chat(body))
+
+    async def _generate(self, request: web.Request, tokenize: Tokenize) -> web.StreamResponse:
+        raw = await request.read()
+        started = time.perf_counter()
+        read = self._tokens(raw, tokenize)
+        if read is None:  # the engine explains what is wrong with it
+            self.metrics.unrouted.inc()
+            tokens: list[int] = []
+            lora = None
+        else:
+            tokens, lora = read
+        tried: set[str] = set()
+        while True:
+            decision = self.router.route(tokens, lora, exclude=tried)
+            self.metrics.decision.observe(time.perf_counter() - started)
+            if decision is None:
+                self.metrics.no_worker.inc()
+                return error_body(
+                    "No vLLM server is available: every worker is down or silent.",
+                    "ServiceUnavailableError",
+                    503,
+                )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
+            try:
+                return await self._forward(request, raw, decision)
+            except _Unreachable:
+                tried.add(decision.worker)
+                self.router.mark_down(decision.worker, self.down_for)
+                log.warning("worker %s unreachable; down for %ss", decision.worker, self.down_for)
+            finally:
+                self.router.finished(decision)
+
+    def _tokens(self, raw: bytes, tokenize: Tokenize) -> tuple[list[int], str | None] | None:
+        """The prompt's token ids and LoRA, or None when the request cannot be read."""
+        try:
+            body = json.loads(raw)
+            model = body.get("model")
+            if self.models and model is not None and model not in self.models:
+                return None
+            if self.tokenizer is None:
+                return [], None  # not discovered yet: load alone decides
+            tokens = tokenize(self.tokenizer, body)
+        except Exception:
+            return None
+        if not all(0 <= t < _TOKEN_LIMIT for t in tokens):
+            return None  # not token ids vLLM could have: it says why
+        return tokens, model if model in self.loras else None
+
+    async def _forward(
+        self, request: web.Request, raw: bytes, decision: Decision
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        name = _RANK.sub("", decision.worker)
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in ("content-type", "authorization", "accept", "x-request-id")
+        }
+        rank = _RANK.search(decision.worker)
+        if rank:
+            headers["X-data-parallel-rank"] = rank.group(1)
+        labels = (decision.worker, decision.policy.value)
+        sent = time.perf_counter()
+        try:
+            upstream = await self.session.post(
+                self.workers[name] + request.path, data=raw, headers=headers
+            )
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise _Unreachable from e
+        async with upstream:
+            self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP_BY_HOP:
+                    response.headers[key] = value
+            response.headers["x-kvbus-worker"] = decision.worker
+            response.headers["x-kvbus-predicted-cached-tokens"] = str(
+                decision.predicted_cached_tokens
+            )
+            await response.prepare(request)
+            streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            body = bytearray()
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+                body += chunk
+                if streamed:  # only the tail matters: usage rides on the last event
+                    del body[: max(0, len(body) - _STREAM_TAIL)]
+            await response.write_eof()
+        self.metrics.requests.labels(*labels, str(upstream.status)).inc()
+        if upstream.status == 200:
+            self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
+            reported = _cached_tokens(bytes(body), streamed)
+            if reported is not None:
+                self.metrics.observe_prediction(decision, reported)
+        return response
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        for worker in [*self.router.eligible(), *self.workers]:
+            base = self.workers.get(_RANK.sub("", worker))
+            if base is None:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with self.session.get(f"{base}/v1/models") as upstream:
+                    return web.Response(
+                        body=await upstream.read(),
+                        status=upstream.status,
+                        content_type="application/json",
+                    )
+        return error_body("No vLLM server is available.", "ServiceUnavailableError", 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        self.metrics.eligible.set(len(self.router.eligible()))
+        self.metrics.blocks.set(len(self.router.index))
+        self.metrics.ready.set(int(self.ready))
+        self.metrics.unchained.set(self.router.index.unchained)
+        return web.Response(
+            body=prom.generate_latest(self.metrics.registry),
+            headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        state = {
+            "ready": self.ready,
+            "kv_history": self.kv_replayed,
+            "load": self.load_read,
+            "tokenizer": self.tokenizer is not None,
+            "eligible": self.router.eligible(),
+        }
+        return web.json_response(state, status=200 if state["ready"] else 503)
+
+
+class _Unreachable(Exception):
+    """The worker refused or dropped the connection before answering (safe to retry)."""
+
+
+def _cached_tokens(body: bytes, streamed: bool) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a response (a stream's usage is
+    in its last data event, sent with ``stream_options.include_usage``); None: no usage."""
+    if streamed:
+        events = [line[6:] for line in body.splitlines() if line.startswith(b"data: {")]
+        body = events[-1] if events else b""
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+        usage = json.loads(body)["usage"]
+        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The router's options (``kvbus router`` and ``examples/nats_router.py``)."""
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="a vLLM server: its KVBUS_SOURCE and base URL (repeat for each)",
+    )
+    parser.add_argument("--policy", choices=[p.value for p in Policy], default="kv")
+    parser.add_argument("--tokenizer", help="tokenizer dir (default: the served model's)")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("KVBUS_URL", "nats://127.0.0.1:4222"),
+        help="kvbus transport (default $KVBUS_URL, else nats://127.0.0.1:4222)",
+    )
+    parser.add_argument("--kv-stream", default="kv")
+    parser.add_argument(
+        "--metrics-stream", default=os.environ.get("KVBUS_METRICS_STREAM", "metrics")
+    )
+    parser.add_argument(
+        "--weight",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="cost weight: prefill, eviction, waiting, running, kv_usage (see kvbus.router)",
+    )
+    parser.add_argument("--stale-after", type=float, default=5.0, help="seconds without metrics")
+    parser.add_argument("--block-size", type=int, help="default: from the engines' events")
+    parser.add_argument("--seed", type=int, default=0, help="for ties (same inputs, same picks)")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="debug: every decision with its reason",
+    )
+
+
+def build(args: argparse.Namespace) -> RouterApp:
+    workers = dict(w.split("=", 1) for w in args.worker)
+    weights = CostWeights(**{k: float(v) for k, v in (w.split("=", 1) for w in args.weight)})
+    router = Router(
+        args.policy,
+        weights,
+        block_size=args.block_size,
+        stale_after=args.stale_after,
+        seed=args.seed,
+    )
+    return RouterApp(workers, router, args.url, args.tokenizer, args.kv_stream, args.metrics_stream)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the router until interrupted."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    web.run_app(build(args).app(), host=args.host, port=args.port, print=None)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_arguments(parser)
+    return serve(parser.parse_args(argv))

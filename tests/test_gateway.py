@@ -1,0 +1,73 @@
+"""The router service's start-up on a real bus (memory://, in this process): ready only
+once the kv history and the metrics stream's recent past are applied, without waiting
+for any new record. Real engines and NATS: test_router_e2e."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from cluster import free_port, make_model
+from kvbus.transports import Record
+from kvbus.transports.memory import MemoryTransport
+
+import kvbus
+from kvbus import BlockStored, Kind, KVEventBatch, LoadMetrics
+from kvbus.envelope import SCHEMA_VERSION, Envelope, encode_envelope
+from kvbus.events import encode
+from kvbus.gateway import RouterApp
+from kvbus.router import Router
+
+TOKENS = list(range(5, 5 + 96))  # 3 blocks of 32
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tmp_path_factory.mktemp("tokenizer")
+    make_model(model)
+    return model
+
+
+async def health(server: TestServer) -> tuple[int, dict[str, object]]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(server.make_url("/health")) as response:
+            return response.status, await response.json()
+
+
+async def test_ready_from_the_bus_history_alone(memory_url: str, tokenizer: Path) -> None:
+    # Before the router starts: engine a's blocks and load, and a load record of engine
+    # b that was already a minute old when it was stored.
+    kv = kvbus.Publisher(memory_url, stream="kv", source="a/dp0")
+    stored = BlockStored(list(range(1, 4)), None, TOKENS, 32, None, "GPU", None)
+    kv.publish(KVEventBatch(time.time(), [stored]))
+    metrics = kvbus.Publisher(memory_url, stream="metrics", source="a/dp0")
+    record = LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0)
+    metrics.publish(record, Kind.METRICS)
+    assert kv.flush() and metrics.flush()
+    old = time.time() - 60
+    envelope = Envelope(SCHEMA_VERSION, Kind.METRICS, "b/dp0", 1, 1, old, encode(record))
+    await MemoryTransport(memory_url).append(
+        "metrics", [Record("b/dp0", envelope.msg_id, encode_envelope(envelope))]
+    )
+
+    dead = f"http://127.0.0.1:{free_port()}"  # /v1/models never answers: not needed
+    app = RouterApp({"a": dead, "b": dead}, Router(), memory_url, str(tokenizer))
+    server = TestServer(app.app())
+    await server.start_server()
+    try:
+        for _ in range(100):
+            status, state = await health(server)
+            if status == 200:
+                break
+            assert state["ready"] is False
+            await asyncio.sleep(0.05)
+        assert (status, state["eligible"]) == (200, ["a/dp0"])  # b's record was stale
+        assert app.router.index.match(TOKENS) == {"a/dp0": 96}
+    finally:
+        await server.close()
+        kv.close()
+        metrics.close()
