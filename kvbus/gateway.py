@@ -423,6 +423,8 @@ class RouterApp:
             streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
             body = bytearray()
             async for chunk in upstream.content.iter_any():
+                if not body:  # the first bytes: the engine is past this prompt's prefill
+                    self.router.started(decision)
                 await response.write(chunk)
                 body += chunk
                 if streamed:  # only the tail matters: usage rides on the last event

@@ -8,10 +8,18 @@ worker is a kvbus source (``NAME/dp<rank>`` for vLLM engines).
 Cost of a worker for a request, in blocks of prefill (lowest wins; ties drawn by a
 seeded generator, so the same inputs give the same decisions)::
 
-    prefill  * blocks it would have to compute
+    prefill  * blocks it would compute + queued * blocks queued ahead of them there
   + eviction * blocks it would newly cache * its excess share of recent insertions
-  + waiting  * requests queued there + running * requests running there
+  + running  * requests of this router decoding there
+  + waiting  * other requests there (the engine's running + waiting, less this router's)
   + kv_usage * its KV cache usage (0..1)
+
+Load is counted in the same unit as the prefix: a request this router sent that has not
+started streaming yet (the caller says when it does: `Router.started`) still has its
+uncached blocks to prefill, and the new request would wait for them; one that is
+streaming costs a decode slot. Requests the router did not send (other routers, direct
+clients) come from the engine's latest `LoadMetrics`, less this router's own (those that
+ended within ``linger`` seconds included: the engine's record may predate their end).
 
 The eviction term keeps the fleet's caches working as one. Every block a worker newly
 caches evicts its least recently used one, so a worker that caches more than its share
@@ -25,9 +33,7 @@ prefix a worker holds stays there. Insertions are counted from the engines' own
 blocks of requests this router sent that have not ended. Capacity is each engine's
 ``LoadMetrics.kv_cache_blocks`` (or the most blocks it was seen holding).
 
-Load comes from the worker's latest `LoadMetrics`, corrected by what this router itself
-sent since: requests it has in flight there beyond those reported running count as
-waiting. A request just routed adds its prompt's blocks to that worker's prefix at once
+A request just routed adds its prompt's blocks to that worker's prefix at once
 (until it finishes, plus ``linger`` seconds), so a burst of similar requests does not
 all miss before the engine's events arrive. A worker stops receiving traffic when its
 metrics are older than ``stale_after`` seconds (the stat logger beats every 2 s), when
@@ -72,10 +78,19 @@ class CostWeights(msgspec.Struct, frozen=True, kw_only=True):
     """Weights of the routing cost, in blocks of prefill."""
 
     prefill: float = 1.0
-    eviction: float = 1.0
-    """Per block newly cached, per unit of the worker's excess share of insertions."""
+    queued: float = 0.1
+    """Per block still to prefill for requests of this router queued on the worker. 1
+    would minimise each request's own TTFT; lower keeps conversations where their
+    prefix is, which saves the fleet the recompute (on a busy fleet, where queues form,
+    that compute delays every request)."""
+    eviction: float = 0.5
+    """Per block newly cached, per unit of the worker's excess share of insertions (a
+    block evicted from a cache's tail is rarely worth a whole block of prefill)."""
     waiting: float = 4.0
-    running: float = 2.0
+    """Per request on the worker that this router did not send."""
+    running: float = 0.5
+    """Per request of this router that is streaming there (decoding): a decode step
+    costs the next prefill little."""
     kv_usage: float = 8.0
 
 
@@ -101,6 +116,8 @@ class Decision(msgspec.Struct, kw_only=True):
     """The load part of ``cost``."""
     runner_up: str | None = None
     runner_up_cost: float = math.inf
+    streaming: bool = False
+    """Whether `Router.started` was told the response is streaming."""
     keys: list[int] = []
     """The prompt's block keys, added to the worker's prefix while the request runs."""
     number: int = -1
@@ -151,12 +168,19 @@ class Router:
         self._metrics: dict[int, LoadMetrics] = {}
         self._fresh_until: dict[int, float] = {}
         self._down_until: dict[int, float] = {}
-        self._inflight: dict[int, int] = {}
+        self._queued: dict[int, list[float]] = {}
+        """worker -> [requests of this router not streaming yet, their blocks to prefill]"""
+        self._streaming: dict[int, int] = {}
+        """worker -> requests of this router streaming (decoding)"""
         self._pending: dict[int, dict[int, int]] = {}
         """worker -> {block key of a request in flight -> requests}"""
         self._pending_masks: dict[int, int] = {}
         """block key -> mask of the workers it is pending on (index-style, for matching)"""
         self._finishing: deque[tuple[float, Decision]] = deque()
+        self._ended: deque[tuple[float, int]] = deque()
+        """(until, worker) of requests of this router that ended less than ``linger``
+        ago: the engine's next load record may still count them"""
+        self._ended_count: dict[int, int] = {}
         self._members: dict[int, npt.NDArray[np.intp]] = {}
         self._turn = 0
 
@@ -248,9 +272,15 @@ class Router:
             self._load[number] = np.inf
             return
         w = self.weights
-        waiting = max(metrics.waiting, self._inflight.get(number, 0) - metrics.running)
+        queued, queued_blocks = self._queued.get(number) or (0, 0.0)
+        streaming = self._streaming.get(number, 0)
+        ours = int(queued) + streaming + self._ended_count.get(number, 0)
+        others = max(0, metrics.running + metrics.waiting - ours)
         self._load[number] = (
-            w.waiting * waiting + w.running * metrics.running + w.kv_usage * metrics.kv_cache_usage
+            w.queued * queued_blocks
+            + w.running * streaming
+            + w.waiting * others
+            + w.kv_usage * metrics.kv_cache_usage
         )
 
     # --- routing ---------------------------------------------------------------------
@@ -281,7 +311,9 @@ class Router:
             # Its metrics went stale since they arrived: out until the next ones.
             self._load[decision.number] = load[decision.number] = np.inf
         number = decision.number
-        self._inflight[number] = self._inflight.get(number, 0) + 1
+        queued = self._queued.setdefault(number, [0, 0.0])
+        queued[0] += 1
+        queued[1] += decision.prefill_blocks
         self._inserted[number] += decision.new_blocks
         pending = self._pending.setdefault(number, {})
         masks, bit = self._pending_masks, 1 << number
@@ -406,14 +438,34 @@ class Router:
             number=number,
         )
 
+    def started(self, decision: Decision) -> None:
+        """The request of ``decision`` started streaming: its prefill is done."""
+        if decision.streaming:
+            return
+        decision.streaming = True
+        number = decision.number
+        queued = self._queued[number]
+        queued[0] -= 1
+        queued[1] = max(0.0, queued[1] - decision.prefill_blocks)
+        self._streaming[number] = self._streaming.get(number, 0) + 1
+        self._refresh(number)
+
     def finished(self, decision: Decision) -> None:
         """The request of ``decision`` ended (any way): its load goes now, its prefix
         blocks stay assumed for ``linger`` seconds, until the engine's events tell."""
         number = decision.number
-        self._inflight[number] = max(0, self._inflight.get(number, 0) - 1)
+        if decision.streaming:
+            self._streaming[number] -= 1
+        else:
+            queued = self._queued[number]
+            queued[0] -= 1
+            queued[1] = max(0.0, queued[1] - decision.prefill_blocks)
         # Its new blocks are in the engine's events by now (or were never cached).
         self._inserted[number] = max(0.0, self._inserted[number] - decision.new_blocks)
         decision.new_blocks = 0
+        now = self._clock()
+        self._ended.append((now + self.linger, number))
+        self._ended_count[number] = self._ended_count.get(number, 0) + 1
         self._refresh(number)
         # Blocks the engine's events already reported are the index's business from now
         # on (they may be evicted as soon as the request ends); the rest linger.
@@ -424,12 +476,16 @@ class Router:
         self._release(number, held)
         if unconfirmed:
             decision.keys = unconfirmed
-            self._finishing.append((self._clock() + self.linger, decision))
+            self._finishing.append((now + self.linger, decision))
 
     def _expire(self, now: float) -> None:
         while self._finishing and self._finishing[0][0] <= now:
             _, decision = self._finishing.popleft()
             self._release(decision.number, decision.keys)
+        while self._ended and self._ended[0][0] <= now:
+            _, number = self._ended.popleft()
+            self._ended_count[number] -= 1
+            self._refresh(number)
 
     def _release(self, number: int, keys: list[int]) -> None:
         pending = self._pending.get(number)

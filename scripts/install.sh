@@ -2,9 +2,24 @@
 # Installs what a fresh machine lacks into .venv: vLLM's CPU build (the real engine),
 # then kvbus itself, editable, with the extras given (default: dev). Skips the work
 # when nothing it depends on changed since the last run.
+#
+# `install.sh peers` instead puts the routers kvbus is compared with (vllm-router,
+# sglang-router: prebuilt wheels) into .venv-peers, apart from kvbus because they pin
+# their own fastapi/pydantic (examples/peers.py finds them there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-dev}
+if [ "$extras" = peers ]; then
+  python3 -m venv .venv-peers
+  stamp=.venv-peers/.kvbus-peers-$(sha256sum scripts/install.sh | cut -c1-16)
+  if [ ! -f "$stamp" ]; then
+    .venv-peers/bin/pip install -q --no-deps vllm-router==0.1.17 sglang-router==0.3.2
+    .venv-peers/bin/pip install -q setproctitle aiohttp orjson uvicorn fastapi uvloop \
+      requests 'pydantic>=2.10.6,<=2.13.5'
+    touch "$stamp"
+  fi
+  exit 0
+fi
 python3 -m venv .venv
 py=.venv/bin/python
 stamp=.venv/.kvbus-deps-$extras-$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)

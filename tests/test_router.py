@@ -219,10 +219,10 @@ def busy_cache(r: Router, worker: str, blocks: int, first_hash: int) -> None:
 
 
 def test_a_new_conversation_goes_where_it_evicts_least() -> None:
-    r = router()
+    r = router(weights=CostWeights(eviction=2))
     for worker in ("a", "b"):
-        r.apply_metrics(capacity(worker, 10))
-    busy_cache(r, "a", 16, 1000)  # a cached 16 of the fleet's last 20: it is thrashing
+        r.apply_metrics(capacity(worker, 20))
+    busy_cache(r, "a", 16, 1000)  # a cached 16 of the fleet's last 20 blocks
     busy_cache(r, "b", 4, 2000)
     r.apply_kv(kv("a", stored([1], PROMPT[:4])))  # ... and holds the shared first block
     decision = r.route(PROMPT)
@@ -231,7 +231,7 @@ def test_a_new_conversation_goes_where_it_evicts_least() -> None:
     # Without the eviction term the one shared block would have pulled it to a.
     blind = router(weights=CostWeights(eviction=0))
     for worker in ("a", "b"):
-        blind.apply_metrics(capacity(worker, 10))
+        blind.apply_metrics(capacity(worker, 20))
     busy_cache(blind, "a", 16, 1000)
     busy_cache(blind, "b", 4, 2000)
     blind.apply_kv(kv("a", stored([1], PROMPT[:4])))
@@ -277,3 +277,39 @@ def test_same_inputs_give_the_same_decisions() -> None:
 
     assert decisions(3) == decisions(3)
     assert len(set(decisions(3))) > 1
+
+
+# --- load in blocks of prefill -----------------------------------------------------------
+
+
+def test_prefill_queued_ahead_weighs_until_the_response_streams() -> None:
+    clock = Clock()
+    r = router(weights=CostWeights(queued=1, running=0.5, eviction=0), clock=clock)
+    r.apply_kv(kv("a", stored([1, 2], PROMPT[:8])))  # a holds 2 of the prompt's 8 blocks
+    ahead = r.route(list(range(500, 540)), exclude={"b"})  # 10 blocks to prefill on a
+    assert ahead is not None and ahead.worker == "a"
+    decision = r.route(PROMPT)  # 6 blocks on a behind 10 queued, or 8 on b
+    assert decision is not None and decision.worker == "b", decision.explain()
+    r.finished(decision)
+    clock.now += r.linger + 0.1  # b never reported those blocks: forgotten
+    r.apply_metrics(load("a"))
+    r.apply_metrics(load("b"))
+    r.started(ahead)  # a's prefill is done: a decode slot (0.5) is less than 2 blocks
+    decision = r.route(PROMPT)
+    assert decision is not None and decision.worker == "a", decision.explain()
+
+
+def test_a_record_that_still_counts_this_routers_ended_request_is_not_foreign_load() -> None:
+    clock = Clock()
+    r = router(clock=clock)
+    first = r.route(PROMPT, exclude={"b"})
+    assert first is not None
+    r.finished(first)
+    r.apply_metrics(load("a", running=1))  # sent before the request ended
+    same = r.route([7] * 12, exclude={"b"})
+    assert same is not None and same.load == 0.0
+    r.finished(same)
+    clock.now += r.linger + 0.1  # a record this much later counts someone else's
+    r.apply_metrics(load("a", running=1))
+    later = r.route([8] * 12, exclude={"b"})
+    assert later is not None and later.load == r.weights.waiting
