@@ -29,7 +29,12 @@ from kvbus.envelope import Kind
 from kvbus.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, SourceStarted
 from kvbus.subscribe import Message, Resync
 
-MEDIUM_BITS: Final = {None: 1, "GPU": 1, "CPU": 2, "STORAGE": 4}
+# A worker's copies of a block in each medium are packed in one int (a field of
+# _FIELD_BITS bits per medium): one dict lookup per stored or removed block, and a
+# GPU-only count is a small int.
+_FIELD_BITS: Final = 21
+_FIELD: Final = (1 << _FIELD_BITS) - 1
+MEDIUM_SHIFTS: Final = {None: 0, "GPU": 0, "CPU": _FIELD_BITS, "STORAGE": 2 * _FIELD_BITS}
 DEFAULT_MEDIUM_WEIGHTS: Final = {"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.25}
 _FULL_ATTENTION: Final = {None, "full_attention", "mla_attention", "sink_full_attention"}
 _ROOT: Final = 0
@@ -56,23 +61,26 @@ def block_keys(
     data = array("I", token_ids).tobytes()
     step = block_size * 4
     count = len(token_ids) // block_size
-    ahead = 0
+    tails: list[bytes] | None = None  # per block: the lookahead tokens in its hash
     if isinstance(lookahead, int):
-        ahead = lookahead * 4
         if lookahead:
             count = max(0, (len(token_ids) - lookahead) // block_size)
+            ahead = lookahead * 4
+            tails = [data[(i + 1) * step : (i + 1) * step + ahead] for i in range(count)]
+    else:
+        tails = [array("I", tokens).tobytes() for tokens in lookahead]
     keys = []
     for i in range(count):
-        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
-        if extra and lora_name is not None and extra[0] == lora_name:
-            # vLLM puts the LoRA name first in every block's extra keys; it is hashed on
-            # its own here, so a query needs only ``lora_name``, not per-block keys.
-            extra = tuple(extra[1:]) or None
+        extra = None
+        if extra_keys is not None and i < len(extra_keys):
+            extra = extra_keys[i]
+            if extra and lora_name is not None and extra[0] == lora_name:
+                # vLLM puts the LoRA name first in every block's extra keys; it is hashed
+                # on its own here, so a query needs only ``lora_name``.
+                extra = tuple(extra[1:]) or None
         block = data[i * step : (i + 1) * step]
-        if ahead:
-            block += data[(i + 1) * step : (i + 1) * step + ahead]
-        elif not isinstance(lookahead, int):
-            block += array("I", lookahead[i] if i < len(lookahead) else ()).tobytes()
+        if tails is not None:
+            block += tails[i] if i < len(tails) else b""
         parent = hash((parent, lora_name, extra, block))
         keys.append(parent)
     return keys
@@ -89,7 +97,7 @@ def mask_numbers(mask: int) -> list[int]:
 
 
 class _Worker:
-    __slots__ = ("bit", "copies", "forgotten", "held", "keys", "number")
+    __slots__ = ("bit", "forgotten", "held", "keys", "number", "resident")
 
     def __init__(self, number: int) -> None:
         self.number = number
@@ -97,10 +105,10 @@ class _Worker:
         """1 << this worker's number: its place in the index's holder masks."""
         self.keys: dict[int | bytes, int] = {}
         """engine block hash -> router key, for held blocks and recently evicted ones"""
-        self.copies: dict[int, dict[int, int]] = {1: {}, 2: {}, 4: {}}
-        """medium bit -> {router key -> cached copies}"""
         self.held: dict[int, int] = {}
-        """router key -> bits of the media holding a copy"""
+        """router key -> cached copies per medium, packed (see MEDIUM_SHIFTS)"""
+        self.resident = 0
+        """Distinct blocks with a copy on the GPU."""
         self.forgotten: deque[int | bytes] = deque()
         """engine hashes whose last copy went, oldest first (their keys are dropped
         from ``keys`` once more of them are remembered than blocks are held)"""
@@ -117,8 +125,8 @@ class PrefixIndex:
         self.lookahead = 0
         """Tokens after a block that its hash covers (vLLM >= 0.33 with lookahead
         hashing), learned from the events."""
-        self._bit_weights = sorted(
-            ((MEDIUM_BITS[m], w) for m, w in medium_weights.items()), key=lambda bw: -bw[1]
+        self._shift_weights = sorted(
+            ((MEDIUM_SHIFTS[m], w) for m, w in medium_weights.items()), key=lambda sw: -sw[1]
         )
         # Which workers hold a block is an integer bitmask (bit n: the n-th worker ever
         # seen; numbers are never reused), so narrowing the candidates of a long prompt
@@ -172,8 +180,8 @@ class PrefixIndex:
         elif event.block_size != self.block_size:
             return  # a partial-block entry (fine-grained hashing): never a full block
         state = self._worker(worker)
-        bit = MEDIUM_BITS.get(event.medium, 1)
-        if bit != 1:
+        shift = MEDIUM_SHIFTS.get(event.medium, 0)
+        if shift:
             self.offloaded = True
         else:
             self._stored_blocks[state.number] += len(event.block_hashes)
@@ -191,49 +199,45 @@ class PrefixIndex:
         keys = block_keys(
             event.token_ids, self.block_size, event.lora_name, event.extra_keys, parent, lookahead
         )
-        known, copies, held = state.keys, state.copies[bit], state.held
-        masks, worker_bit = self._masks, state.bit
+        known, held, masks, worker_bit = state.keys, state.held, self._masks, state.bit
+        unit = 1 << shift
         for engine_hash, key in zip(event.block_hashes, keys, strict=False):
             known[engine_hash] = key
-            count = copies.get(key, 0)
-            copies[key] = count + 1
-            if count:
-                continue
-            bits = held.get(key, 0)
-            if not bits:
+            count = held.get(key, 0)
+            if not count:
                 masks[key] = masks.get(key, 0) | worker_bit
-            held[key] = bits | bit
+            elif (count >> shift) & _FIELD == _FIELD:
+                continue  # as many copies as a field holds: count no more
+            held[key] = count + unit
+            if not shift and not count & _FIELD:
+                state.resident += 1
 
     def _removed(self, worker: str, event: BlockRemoved) -> None:
         state = self._workers.get(worker)
         if state is None:
             self.unknown_removals += len(event.block_hashes)
             return
-        bit = MEDIUM_BITS.get(event.medium, 1)
-        copies = state.copies[bit]
+        shift = MEDIUM_SHIFTS.get(event.medium, 0)
+        unit, held = 1 << shift, state.held
         for engine_hash in event.block_hashes:
             key = state.keys.get(engine_hash)
-            count = 0 if key is None else copies.get(key, 0)
-            if key is None or not count:
+            count = 0 if key is None else held.get(key, 0)
+            if key is None or not (count >> shift) & _FIELD:
                 self.unknown_removals += 1
-            elif count > 1:
-                copies[key] = count - 1  # another copy is still cached
+                continue
+            count -= unit
+            if not shift and not count & _FIELD:
+                state.resident -= 1
+            if count:
+                held[key] = count  # another copy (or medium) still holds it
+                continue
+            del held[key]
+            mask = self._masks.get(key, 0) & ~state.bit
+            if mask:
+                self._masks[key] = mask
             else:
-                del copies[key]
-                self._drop(state, key, bit)
-                self._forget(state, engine_hash)
-
-    def _drop(self, state: _Worker, key: int, bit: int) -> None:
-        bits = state.held.get(key, 0) & ~bit
-        if bits:
-            state.held[key] = bits
-            return
-        state.held.pop(key, None)
-        mask = self._masks.get(key, 0) & ~state.bit
-        if mask:
-            self._masks[key] = mask
-        else:
-            self._masks.pop(key, None)
+                self._masks.pop(key, None)
+            self._forget(state, engine_hash)
 
     def _forget(self, state: _Worker, engine_hash: int | bytes) -> None:
         """Remember ``engine_hash``'s key a while (its children may still be stored),
@@ -352,9 +356,9 @@ class PrefixIndex:
             for worker, tokens in self.match_keys(keys).items()
         }
 
-    def _weight(self, bits: int) -> float:
-        for bit, weight in self._bit_weights:
-            if bits & bit:
+    def _weight(self, copies: int) -> float:
+        for shift, weight in self._shift_weights:
+            if (copies >> shift) & _FIELD:
                 return weight
         return 0.0
 
@@ -394,12 +398,13 @@ class PrefixIndex:
     def copies(self, worker: str, medium: str = "GPU") -> int:
         """Cached block copies ``worker`` holds in ``medium`` (the engine's count)."""
         state = self._workers.get(worker)
-        return sum(state.copies[MEDIUM_BITS[medium]].values()) if state else 0
+        shift = MEDIUM_SHIFTS[medium]
+        return sum((c >> shift) & _FIELD for c in state.held.values()) if state else 0
 
     def resident(self, worker: str) -> int:
         """Distinct blocks ``worker`` holds on the GPU."""
         state = self._workers.get(worker)
-        return len(state.copies[1]) if state else 0
+        return state.resident if state else 0
 
     def stored(self, number: int) -> int:
         """GPU blocks worker ``number`` stored since first seen (each copy; clears and
