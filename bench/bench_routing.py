@@ -137,7 +137,8 @@ async def main() -> None:
     peers = [name for name, (kind, _) in PEERS.items() if kind in installed]
     policies = args.policies.split(",") if args.policies else [*KVBUS_POLICIES, *peers]
     print(
-        f"trace: {len(trace)} requests ({len({r.conversation for r in trace})} conversations) "
+        f"trace: {len(trace)} requests ({len({r.conversation for r in trace})} conversations, "
+        f"one-off requests included) "
         f"from {args.trace.name}, working set {working_set} blocks of {workload.block_size}; "
         f"{args.servers} servers x {blocks} blocks; concurrency {args.concurrency}\n"
         f"offline: one unlimited cache {unlimited:.3f}; one cache of {args.servers * blocks} "
