@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbus import BlockRemoved, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
+from kvbus.router import Router
 
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 REPO = Path(__file__).resolve().parents[1]
@@ -269,18 +270,15 @@ def pooled_hit_rate(workload: Workload, requests: Sequence[TraceRequest], blocks
 
 
 def simulate(
-    router: object,
+    router: Router,
     workload: Workload,
     requests: Sequence[TraceRequest],
     engines: int,
     blocks: int,
 ) -> float:
-    """``router`` (a `kvbus.router.Router`) routing ``requests`` over ``engines``
-    simulated engines of ``blocks`` each: it is fed their events and an idle load
-    record (with their capacity) before every request, as from the bus."""
-    from kvbus.router import Router
-
-    assert isinstance(router, Router)
+    """``router`` routing ``requests`` over ``engines`` simulated engines of ``blocks``
+    each: it is fed their events and an idle load record (with their capacity) before
+    every request, as from the bus."""
     fleet = [SimEngine(blocks, workload.block_size) for _ in range(engines)]
     names = [f"sim{i}/dp0" for i in range(engines)]
     seqs = [0] * engines

@@ -151,6 +151,10 @@ class Row:
         return sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
 
     @property
+    def requests_per_s(self) -> float:
+        return len(self.ok) / self.seconds
+
+    @property
     def predicts(self) -> bool:
         """Whether the router predicted cached tokens (kvbus's header)."""
         return any(r.predicted >= 0 for r in self.ok)
@@ -292,7 +296,7 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"{row.policy:24} {len(row.ok):>8} {row.hit_rate:>8.1%} {row.engine_hit_rate:>8.1%} "
             f"{row.ttft_ms(0.5):>7.0f}ms {row.ttft_ms(0.95):>7.0f}ms "
-            f"{len(row.ok) / row.seconds:>6.1f} {predicted:>9}"
+            f"{row.requests_per_s:>6.1f} {predicted:>9}"
         )
     return "\n".join(lines)
 

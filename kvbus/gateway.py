@@ -232,6 +232,8 @@ class RouterApp:
             asyncio.create_task(self._follow_metrics()),
             asyncio.create_task(self._discover()),
         ]
+        for task in self._tasks:
+            task.add_done_callback(_report_failure)
         yield
         for task in self._tasks:
             task.cancel()
@@ -472,6 +474,13 @@ class RouterApp:
             "eligible": self.router.eligible(),
         }
         return web.json_response(state, status=200 if state["ready"] else 503)
+
+
+def _report_failure(task: asyncio.Task[None]) -> None:
+    """A background task that ends by failing (a bad --url, say) says so at once: the
+    router will never be ready."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("router task stopped: %r; /health stays 503", task.exception())
 
 
 class _Unreachable(Exception):
