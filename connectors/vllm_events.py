@@ -32,7 +32,7 @@ from vllm.distributed.kv_events import (
 )
 
 import kvbus
-from kvbus.config import resolve_source
+from kvbus.config import redact_url, resolve_source
 from kvbus.envelope import Kind
 
 log = logging.getLogger("kvbus.connectors")
@@ -74,7 +74,9 @@ class KvbusEventPublisher(EventPublisher):
             source=engine_source(data_parallel_rank),
             data_parallel_rank=data_parallel_rank,
         )
-        log.info("kvbus: KV events of %s go to %s", self.publisher.source, self.publisher.url)
+        log.info(
+            "kvbus: KV events of %s go to %s", self.publisher.source, redact_url(self.publisher.url)
+        )
 
     def publish(self, events: EventBatch) -> None:
         if events.data_parallel_rank is None:

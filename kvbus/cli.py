@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from kvbus.config import redact_url
 from kvbus.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvbus.publisher import Publisher
 from kvbus.subscribe import Cursor, Message, Resync, subscribe
@@ -93,7 +94,9 @@ def synthetic_steps(steps: int, block_size: int = 16, seed: int = 0) -> list[KVE
 
 async def _demo(args: argparse.Namespace) -> int:
     url = args.url or "memory://demo"
-    print(f"kvbus demo: publisher and subscriber on {url}, stream {args.stream or 'kv'}")
+    print(
+        f"kvbus demo: publisher and subscriber on {redact_url(url)}, stream {args.stream or 'kv'}"
+    )
     with Publisher(url, stream=args.stream, source="demo-engine") as publisher:
         for batch in synthetic_steps(args.steps):
             publisher.publish(batch)

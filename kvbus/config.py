@@ -7,6 +7,7 @@ import os
 import re
 import socket
 from typing import Final
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_URL: Final = "memory://"
 DEFAULT_STREAM: Final = "kv"
@@ -37,3 +38,28 @@ def resolve_source(source: str | None) -> str:
     if not name or len(name) > 200 or any(c.isspace() for c in name):
         raise ValueError(f"invalid source name {name!r}: 1-200 characters, no white space")
     return name
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for logs and reprs (a transport
+    URL carries credentials the way its client library reads them)."""
+    try:
+        parts = urlsplit(url)
+        credentials, at, hosts = parts.netloc.rpartition("@")
+    except ValueError:
+        return "<unparsable url>"
+    if not at:
+        return url
+    user, colon, _ = credentials.partition(":")
+    # A name with no password may be a token (nats://TOKEN@host): hide it as well.
+    shown = f"{user}:***" if colon else "***"
+    return urlunsplit(parts._replace(netloc=f"{shown}@{hosts}"))
+
+
+def redact_text(text: str, urls: list[str]) -> str:
+    """``text`` (an error message) with the credentials of ``urls`` blanked out."""
+    for url in urls:
+        credentials = urlsplit(url).netloc.rpartition("@")[0]
+        if credentials:
+            text = text.replace(credentials, "***")
+    return text

@@ -14,7 +14,9 @@ is newer than it understands instead of misreading it.
 from __future__ import annotations
 
 import enum
-from typing import Final
+import functools
+from collections.abc import Callable
+from typing import Final, ParamSpec, TypeVar
 
 import msgspec
 
@@ -57,6 +59,25 @@ class _Head(msgspec.Struct, array_like=True, gc=False):
     version: int
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def nesting_is_malformed(decode: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Make ``decode`` raise ``msgspec.DecodeError`` for msgpack nested deeper than the
+    interpreter's stack (a 2 KB message can nest 1,000 levels), not ``RecursionError``,
+    which callers that skip bad input would not expect."""
+
+    @functools.wraps(decode)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return decode(*args, **kwargs)
+        except RecursionError:
+            raise msgspec.DecodeError("MessagePack data is nested too deeply") from None
+
+    return wrapper
+
+
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(Envelope)
 _head_decoder: Final = msgspec.msgpack.Decoder(_Head)
@@ -66,6 +87,7 @@ def encode_envelope(envelope: Envelope) -> bytes:
     return _encoder.encode(envelope)
 
 
+@nesting_is_malformed
 def decode_envelope(data: bytes) -> Envelope:
     """Decode an envelope; raises ``FutureVersionError`` or ``msgspec.DecodeError``."""
     try:

@@ -19,6 +19,8 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
+from kvbus.envelope import nesting_is_malformed
+
 BlockHash: TypeAlias = int | bytes
 """An engine block hash: a 64-bit int by default (may exceed 2**63), or 32 bytes."""
 
@@ -182,6 +184,7 @@ def _from_array(event: msgspec.Struct) -> KVEvent:
     return cls(**msgspec.structs.asdict(event))
 
 
+@nesting_is_malformed
 def decode_kv_batch(payload: bytes) -> tuple[KVEventBatch, int]:
     """Decode a vLLM ``KVEventBatch`` payload in either dialect.
 
@@ -215,10 +218,12 @@ def decode_kv_batch(payload: bytes) -> tuple[KVEventBatch, int]:
     return KVEventBatch(raw.ts, kept, raw.data_parallel_rank), len(raw.events) - len(kept)
 
 
+@nesting_is_malformed
 def decode_metrics(payload: bytes) -> LoadMetrics:
     return _metrics_decoder.decode(payload)
 
 
+@nesting_is_malformed
 def decode_control(payload: bytes) -> ControlEvent:
     return _control_decoder.decode(payload)
 

@@ -24,7 +24,7 @@ from typing import Any, Final
 import msgspec
 
 from kvbus import __version__
-from kvbus.config import resolve_source, resolve_stream, resolve_url
+from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
 from kvbus.retry import retry_forever
@@ -142,11 +142,11 @@ class Publisher:
 
     def announce_loss(self, count: int = 1) -> None:
         """Declare ``count`` messages lost upstream (a bridge whose source skipped
-        messages it cannot recover): their seqs are used up and consumers get
-        ``Resync(reason="dropped")`` for them, as for messages this publisher dropped."""
-        for _ in range(count):
-            self._last_dropped = next(self._seqs)
-            self.stats.dropped += 1
+        messages it cannot recover): consumers get ``Resync(reason="dropped")`` before
+        the next message, as for messages this publisher dropped. One seq stands for the
+        whole loss, so this costs O(1) whatever ``count`` says."""
+        self._last_dropped = next(self._seqs)
+        self.stats.dropped += max(1, count)
         if self._idle:
             self._wake_sender()
 
@@ -234,7 +234,7 @@ class Publisher:
         def count() -> None:
             self.stats.send_errors += 1
 
-        retrying = retry_forever(f"append to {self.url}", count, log)
+        retrying = retry_forever(f"append to {redact_url(self.url)}", count, log, self.url)
         async for attempt in retrying:
             with attempt:
                 while records:
@@ -278,12 +278,12 @@ class Publisher:
             self._sender.cancel()
             unsent = self.stats.published - self._settled
             self.stats.dropped += unsent
-            log.error("kvbus: closed with %d messages unsent to %s", unsent, self.url)
+            log.error("kvbus: closed with %d messages unsent to %s", unsent, redact_url(self.url))
         close = asyncio.run_coroutine_threadsafe(self._transport.aclose(), self._loop)
         try:
             close.result(timeout)
         except Exception:
-            log.exception("kvbus: closing transport %s failed", self.url)
+            log.exception("kvbus: closing transport %s failed", redact_url(self.url))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         self._wake.set()  # lets the waker thread see the end
@@ -307,4 +307,6 @@ class Publisher:
         await self.aclose()
 
     def __repr__(self) -> str:
-        return f"Publisher({self.url!r}, stream={self.stream!r}, source={self.source!r})"
+        return (
+            f"Publisher({redact_url(self.url)!r}, stream={self.stream!r}, source={self.source!r})"
+        )

@@ -7,21 +7,26 @@ from collections.abc import Callable
 
 import tenacity
 
+from kvbus.config import redact_text
+
 
 def retry_forever(
-    what: str, on_failure: Callable[[], None], logger: logging.Logger
+    what: str, on_failure: Callable[[], None], logger: logging.Logger, url: str = ""
 ) -> tenacity.AsyncRetrying:
     """``async for attempt in retry_forever(...): with attempt: ...`` retries any
-    exception after 0-2 s of backoff; each failure calls ``on_failure`` (a counter) and
-    logs a warning naming ``what`` failed."""
+    exception after 0-0.5 s of backoff; each failure calls ``on_failure`` (a counter) and
+    logs a warning naming ``what`` failed, with the credentials of ``url`` blanked out.
+
+    The backoff is capped low so that a backend back from a restart is used again
+    within half a second: a publisher's queue fills while it waits."""
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
         on_failure()
         error = state.outcome.exception() if state.outcome else None
-        logger.warning("kvbus: %s failed (%r); retrying", what, error)
+        logger.warning("kvbus: %s failed (%s); retrying", what, redact_text(repr(error), [url]))
 
     return tenacity.AsyncRetrying(
-        wait=tenacity.wait_random_exponential(multiplier=0.02, max=2.0),
+        wait=tenacity.wait_random_exponential(multiplier=0.02, max=0.5),
         retry=tenacity.retry_if_exception_type(Exception),
         before_sleep=before_sleep,
     )

@@ -16,14 +16,31 @@ A consumer resets its state for ``Resync.source`` and carries on. ``Subscription
 says what has been yielded so far; pass it back as ``cursor=`` after a restart to
 resume with nothing lost and nothing yielded twice.
 
-Bad input (oversized, undecodable, newer schema, unknown kind or event type) is
-counted in ``Subscription.stats``, logged and skipped; the iteration never fails on it.
+Bad input (oversized, undecodable, nested too deep, newer schema, unknown kind or
+event type) is counted in ``Subscription.stats``, logged (at most once a second per
+kind) and skipped; the iteration never fails on it. A payload that fails to decode in
+the middle of a source's sequence is a ``Resync(reason=MALFORMED)`` for that source, since
+its effect on the consumer's state is lost. Whatever numbers a message carries, it costs
+O(1) time and memory:
+
+* an envelope whose epoch is ahead of this machine's clock by more than
+  ``max_clock_skew``, or whose seq is more than a publisher could have reached since its
+  epoch began (10 million messages a second), is rejected as implausible;
+* missing seqs are a range, never a set; a source holding more than 65,536 messages
+  back declares its gap lost at once;
+* gaps are searched for in history in one bounded pass for all sources: from the
+  earliest gapped source's position up to the live read's position;
+* at most ``max_sources`` sources are tracked: beyond that the least recently active are
+  forgotten (one that comes back gets a ``Resync(reason=JOINED)``);
+* an envelope that claims a source other than the one the transport authenticated
+  (`Entry.sender`: the NATS subject) is rejected as forged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import heapq
 import itertools
 import logging
 import time
@@ -33,7 +50,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from kvbus.config import resolve_stream, resolve_url
+from kvbus.config import redact_url, resolve_stream, resolve_url
 from kvbus.envelope import Envelope, FutureVersionError, Kind, decode_envelope
 from kvbus.events import (
     ControlEvent,
@@ -43,13 +60,23 @@ from kvbus.events import (
     decode_kv_batch,
     decode_metrics,
 )
+from kvbus.logs import LimitedLog, shown
 from kvbus.retry import retry_forever
 from kvbus.transports import LATEST, Entry, Position, Transport, open_transport
 
 log = logging.getLogger("kvbus.subscribe")
+_limited = LimitedLog(log)
 
 DEFAULT_GAP_TIMEOUT: Final = 0.5
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+DEFAULT_MAX_SOURCES: Final = 10_000
+DEFAULT_MAX_CLOCK_SKEW: Final = 60.0
+MAX_SOURCE_LENGTH: Final = 200
+_MAX_HELD: Final = 1 << 16
+"""Messages held back for one source's gap before the gap is declared lost at once."""
+_NS_PER_SEQ: Final = 100
+"""A seq is plausible only if a publisher sending one message per 100 ns since its epoch
+began (10M/s, far beyond any real one) could have reached it."""
 
 
 class ResyncReason(str, enum.Enum):
@@ -61,6 +88,8 @@ class ResyncReason(str, enum.Enum):
     """The publisher announced that it dropped these seqs (queue full, backend down)."""
     JOINED = "joined"
     """The first message seen from this source is not the start of its epoch."""
+    MALFORMED = "malformed"
+    """A message of this source could not be decoded: its effect is lost."""
 
 
 class Resync(msgspec.Struct, frozen=True, gc=False):
@@ -124,6 +153,12 @@ class SubscriptionStats(msgspec.Struct):
     unknown_kind: int = 0
     skipped_events: int = 0
     """Events inside otherwise good KV batches whose type is unknown or malformed."""
+    implausible: int = 0
+    """Envelopes rejected for an epoch ahead of the clock or an unreachable seq."""
+    forged: int = 0
+    """Envelopes that claim a source other than the one the transport authenticated."""
+    evicted_sources: int = 0
+    """Sources forgotten because more than ``max_sources`` were tracked."""
     transport_errors: int = 0
 
 
@@ -137,18 +172,61 @@ class _Held(msgspec.Struct, gc=False):
 
 
 class _SourceState:
-    __slots__ = ("epoch", "gap_deadline", "held", "name", "position", "seq")
+    __slots__ = (
+        "active",
+        "anchor",
+        "epoch",
+        "gap_deadline",
+        "held",
+        "held_seqs",
+        "name",
+        "position",
+        "seq",
+    )
 
-    def __init__(self, name: str, epoch: int, seq: int, position: int | str | None) -> None:
+    def __init__(
+        self, name: str, epoch: int, seq: int, position: int | str | None, order: int
+    ) -> None:
         self.name = name
         self.epoch = epoch
         self.seq = seq
         self.position = position
         self.held: dict[int, _Held] = {}
+        """Messages above ``seq`` waiting for the seqs before them, by seq."""
+        self.held_seqs: list[int] = []
+        """The keys of ``held`` as a heap: its lowest in O(1) however many are held."""
         self.gap_deadline: float | None = None
+        self.active = order
+        """Arrival order of this source's newest message (for evicting the idlest)."""
+        self.anchor: tuple[int, Position | None] = (order, position)
+        """(arrival order, position) at or before ``position``: where a history search
+        for this source's missing seqs starts (positions are opaque, orders compare)."""
+
+    def hold(self, seq: int, held: _Held) -> None:
+        self.held[seq] = held
+        heapq.heappush(self.held_seqs, seq)
+
+    def take_next(self) -> _Held | None:
+        """The held message of seq ``seq + 1``, if there is one (then the lowest held)."""
+        held = self.held.pop(self.seq + 1, None)
+        if held is not None:
+            heapq.heappop(self.held_seqs)
+        return held
+
+    def lowest(self) -> int:
+        return self.held_seqs[0]
+
+    def drop_held(self) -> None:
+        self.held.clear()
+        self.held_seqs.clear()
+
+    def missing(self) -> int:
+        """How many seqs are missing below the highest held one."""
+        return max(self.held) - self.seq - len(self.held) if self.held else 0
 
 
 _END: Final = object()
+_MALFORMED: Final = object()
 _KINDS: Final = {kind.value: kind for kind in Kind}
 _INBOX_HIGH: Final = 1024
 _INBOX_LOW: Final = 256
@@ -168,6 +246,8 @@ class Subscription:
         follow: bool = True,
         gap_timeout: float = DEFAULT_GAP_TIMEOUT,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_sources: int = DEFAULT_MAX_SOURCES,
+        max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
         transport: Transport | None = None,
     ) -> None:
         self.url = resolve_url(url)
@@ -177,9 +257,12 @@ class Subscription:
         self._follow = follow
         self._gap_timeout = gap_timeout
         self._max_message_bytes = max_message_bytes
+        self._max_sources = max(1, max_sources)
+        self._max_skew_ns = int(max_clock_skew * 1e9)
         self._transport = transport or open_transport(self.url)
         self._states: dict[str, _SourceState] = {}
         self._gapped: set[_SourceState] = set()  # sources waiting for missing seqs
+        self._repair_due: set[_SourceState] = set()  # new gaps not yet searched for
         self._yielded: dict[str, SourceCursor] = {}
         if cursor == "latest":
             self._start: Position | None = LATEST
@@ -190,7 +273,7 @@ class Subscription:
                 cursor = Cursor.from_bytes(cursor)
             self._start = cursor.position
             for name, c in cursor.sources.items():
-                self._states[name] = _SourceState(name, c.epoch, c.seq, c.position)
+                self._states[name] = _SourceState(name, c.epoch, c.seq, c.position, -1)
                 self._yielded[name] = c
         self._read_position: Position | None = self._start
         self._ready: deque[tuple[Item, int | None, Position | None]] = deque()
@@ -215,6 +298,10 @@ class Subscription:
         while not self._ready:
             if self._ended:
                 raise StopAsyncIteration
+            if self._repair_due and not self._inbox:
+                # Caught up with what has arrived: one history pass for every new gap.
+                await self._repair(list(self._repair_due))
+                continue
             deadline = None
             if self._gapped:
                 deadline = min(s.gap_deadline or 0.0 for s in self._gapped)
@@ -243,7 +330,7 @@ class Subscription:
             self._read_position = entry.position
             envelope = self._open(entry, count=True)
             if envelope is not None:
-                await self._ingest(envelope, entry.position, next(self._arrivals), previous)
+                self._ingest(envelope, entry.position, next(self._arrivals), previous)
         item, _, _ = self._ready.popleft()
         self._note_yielded(item)
         return item
@@ -285,7 +372,7 @@ class Subscription:
         def count() -> None:
             self.stats.transport_errors += 1
 
-        retrying = retry_forever(f"reading {self.url}", count, log)
+        retrying = retry_forever(f"reading {redact_url(self.url)}", count, log, self.url)
         async for attempt in retrying:
             with attempt:
                 async for entry in self._transport.read(self.stream, previous, follow=self._follow):
@@ -299,15 +386,17 @@ class Subscription:
         self._inbox_filled.set()
 
     def _open(self, entry: Entry, *, count: bool) -> Envelope | None:
-        """The entry's envelope if it is one we should consider, else None."""
+        """The entry's envelope if it is one we should consider, else None (counted and
+        logged when ``count``: a history search sees entries the live read counted)."""
         if len(entry.data) > self._max_message_bytes:
             if count:
                 self.stats.oversized += 1
-                log.warning(
+                _limited.warning(
+                    "oversized",
                     "kvbus: skipped %d-byte message at %s:%s (max_message_bytes=%d)",
                     len(entry.data),
                     self.stream,
-                    entry.position,
+                    shown(entry.position),
                     self._max_message_bytes,
                 )
             return None
@@ -316,90 +405,159 @@ class Subscription:
         except FutureVersionError as error:
             if count:
                 self.stats.future_version += 1
-                log.warning(
+                _limited.warning(
+                    "future",
                     "kvbus: skipped message at %s:%s: %s is newer than this kvbus "
                     "understands; upgrade kvbus",
                     self.stream,
-                    entry.position,
+                    shown(entry.position),
                     error,
                 )
             return None
         except (msgspec.DecodeError, ValueError) as error:
             if count:
                 self.stats.malformed += 1
-                log.warning(
+                _limited.warning(
+                    "malformed",
                     "kvbus: skipped malformed message at %s:%s: %s",
                     self.stream,
-                    entry.position,
-                    error,
+                    shown(entry.position),
+                    shown(str(error)),
                 )
             return None
         if self.sources is not None and envelope.source not in self.sources:
             return None
+        problem = self._implausible(envelope)
+        if problem is None and entry.sender is not None and entry.sender != envelope.source:
+            problem = f"forged: sent as {shown(entry.sender)}"
+        if problem is not None:
+            if count:
+                if problem.startswith("forged"):
+                    self.stats.forged += 1
+                else:
+                    self.stats.implausible += 1
+                _limited.warning(
+                    problem.partition(":")[0],
+                    "kvbus: rejected message %s epoch %d seq %d at %s:%s: %s",
+                    shown(envelope.source),
+                    envelope.epoch,
+                    envelope.seq,
+                    self.stream,
+                    shown(entry.position),
+                    problem,
+                )
+            return None
         return envelope
+
+    def _implausible(self, envelope: Envelope) -> str | None:
+        """Why no honest publisher could have sent this envelope, if none could."""
+        if not 0 < len(envelope.source) <= MAX_SOURCE_LENGTH:
+            return f"malformed: source of {len(envelope.source)} characters"
+        if envelope.seq < 1 or not 0 <= envelope.lost_from <= envelope.seq:
+            return "malformed: seq or lost_from out of range"
+        horizon = time.time_ns() + self._max_skew_ns
+        if envelope.epoch > horizon:
+            return "implausible: epoch ahead of this clock by more than max_clock_skew"
+        if envelope.seq > (horizon - envelope.epoch) // _NS_PER_SEQ + 1:
+            return "implausible: seq beyond what the source could have sent since its epoch"
+        return None
 
     # --- ordering ----------------------------------------------------------------------
 
-    async def _ingest(
-        self, envelope: Envelope, position: Position, order: int | None, previous: Position | None
+    def _ingest(
+        self, envelope: Envelope, position: Position, order: int, previous: Position | None
     ) -> None:
         source = envelope.source
         state = self._states.get(source)
         # A first message that is not seq 1 is an ordinary gap: the earlier seqs may
         # still arrive (reordered) or be in history; JOINED is declared only on expiry.
         if state is None:
-            state = self._states[source] = _SourceState(source, envelope.epoch, 0, previous)
+            if len(self._states) >= self._max_sources:
+                self._evict_sources()
+            state = self._states[source] = _SourceState(
+                source, envelope.epoch, 0, previous, order - 1
+            )
         elif envelope.epoch < state.epoch:
             self.stats.stale += 1
             return
         elif envelope.epoch > state.epoch:
             old_epoch = state.epoch
             state.epoch, state.seq, state.position = envelope.epoch, 0, previous
-            state.held.clear()
+            state.anchor = (order - 1, previous)
+            state.drop_held()
             self._close_gap(state)
             self._resync(state, ResyncReason.NEW_EPOCH, 0, old_epoch)
+        state.active = order
         if envelope.seq <= state.seq or envelope.seq in state.held:
             self.stats.duplicates += 1
             return
-        state.held[envelope.seq] = _Held(envelope, position, order, previous)
+        state.hold(envelope.seq, _Held(envelope, position, order, previous))
         self._release(state)
-        if state.held and state.gap_deadline is None:
-            if self._gap_timeout <= 0:
-                self._declare_lost(state)
-                return
-            self._open_gap(state)
-            await self._repair(source, state)
-
-    def _open_gap(self, state: _SourceState) -> None:
-        state.gap_deadline = time.monotonic() + self._gap_timeout
-        self._gapped.add(state)
+        if not state.held:
+            return
+        if self._gap_timeout <= 0 or len(state.held) > _MAX_HELD:
+            self._declare_lost(state)
+        elif state.gap_deadline is None:
+            state.gap_deadline = time.monotonic() + self._gap_timeout
+            self._gapped.add(state)
+            self._repair_due.add(state)
 
     def _close_gap(self, state: _SourceState) -> None:
         state.gap_deadline = None
         self._gapped.discard(state)
+        self._repair_due.discard(state)
+
+    def _evict_sources(self) -> None:
+        """Forget the least recently active eighth of the sources (none that holds
+        messages back): a source that comes back starts over with a JOINED resync."""
+        idle = [s for s in self._states.values() if not s.held]
+        evicted = heapq.nsmallest(max(1, len(self._states) // 8), idle, key=lambda s: s.active)
+        for state in evicted:
+            del self._states[state.name]
+            self._yielded.pop(state.name, None)
+        self.stats.evicted_sources += len(evicted)
+        _limited.warning(
+            "evicted",
+            "kvbus: tracking %d sources of %s (max_sources=%d): forgot the %d least recently "
+            "active",
+            len(self._states) + len(evicted),
+            self.stream,
+            self._max_sources,
+            len(evicted),
+        )
 
     def _release(self, state: _SourceState) -> None:
         """Deliver held messages that are next in seq order (or whose gap is announced)."""
-        had_gap = state.gap_deadline is not None
+        repaired = state.gap_deadline is not None
         while state.held:
-            held = state.held.pop(state.seq + 1, None)
+            held = state.take_next()
             if held is None:
-                lowest = min(state.held)
+                lowest = state.lowest()
                 lost_from = state.held[lowest].envelope.lost_from
                 if not lost_from or lost_from > state.seq + 1:
                     return
                 self._resync(state, ResyncReason.DROPPED, lowest - 1)
+                repaired = False
                 continue
             self._deliver(state, held)
-        if had_gap:
+        if state.gap_deadline is not None:
             self._close_gap(state)
+            if repaired:
+                self.stats.gaps_repaired += 1
 
     def _deliver(self, state: _SourceState, held: _Held) -> None:
         envelope = held.envelope
-        state.seq, state.position = envelope.seq, held.position
+        state.position = held.position
+        if held.order is not None:
+            state.anchor = (held.order, held.position)
         body = self._decode_body(envelope, held.position)
         if body is None:
+            state.seq = envelope.seq
             return
+        if body is _MALFORMED:  # its effect on the consumer's state is lost
+            self._resync(state, ResyncReason.MALFORMED, envelope.seq)
+            return
+        state.seq = envelope.seq
         message = Message(
             envelope.source,
             envelope.epoch,
@@ -427,65 +585,80 @@ class Subscription:
             self.stats.gaps_lost += 1
         self.stats.resyncs += 1
         log.info(
-            "kvbus: resync %s epoch %s: %s, lost %s", state.name, state.epoch, reason.value, lost
+            "kvbus: resync %s epoch %s: %s, lost %s",
+            shown(state.name),
+            state.epoch,
+            reason.value,
+            lost,
         )
         self._ready.append(
             (Resync(state.name, state.epoch, reason, lost, previous_epoch), None, None)
         )
 
-    async def _repair(self, source: str, state: _SourceState) -> None:
-        """Look for the source's missing seqs in the transport's history."""
-        epoch = state.epoch
-        missing = _missing(state)
+    async def _repair(self, states: list[_SourceState]) -> None:
+        """Search the transport's history once for the missing seqs of all ``states``.
+
+        The search runs from the earliest of their anchors up to the live read's
+        position: an entry stored later reaches this subscription by the live read.
+        """
+        self._repair_due.difference_update(states)
+        wanted = {s.name: s for s in states if s.held}
+        if not wanted:
+            return
+        tops = {name: max(s.held) for name, s in wanted.items()}
+        remaining = sum(s.missing() for s in wanted.values())
+        _, start = min((s.anchor for s in wanted.values()), key=lambda anchor: anchor[0])
+        stop = self._read_position
         try:
-            async for entry in self._transport.read(self.stream, state.position, follow=False):
+            async for entry in self._transport.read(self.stream, start, follow=False):
                 envelope = self._open(entry, count=False)
-                if envelope is None or envelope.source != source or envelope.epoch != epoch:
-                    continue
-                if envelope.seq in missing:
-                    missing.discard(envelope.seq)
-                    state.held[envelope.seq] = _Held(envelope, entry.position, None, None)
-                    if not missing:
-                        break
+                state = wanted.get(envelope.source) if envelope is not None else None
+                if envelope is not None and state is not None and envelope.epoch == state.epoch:
+                    seq = envelope.seq
+                    if state.seq < seq < tops[state.name] and seq not in state.held:
+                        state.hold(seq, _Held(envelope, entry.position, None, None))
+                        remaining -= 1
+                if remaining <= 0 or entry.position == stop:
+                    break
         except Exception as error:
             self.stats.transport_errors += 1
-            log.warning("kvbus: history read for %s failed: %r", source, error)
-        if state.epoch != epoch:
-            return
-        had_gap = state.gap_deadline is not None
-        self._release(state)
-        if had_gap and state.gap_deadline is None:
-            self.stats.gaps_repaired += 1
+            log.warning("kvbus: history read of %s failed: %r", self.stream, error)
+        for state in wanted.values():
+            self._release(state)
 
     async def _expire_gaps(self, *, force: bool) -> None:
         """Gaps whose deadline passed get one last history look, then a Resync."""
         now = time.monotonic()
-        for source, state in list(self._states.items()):
-            if state.gap_deadline is None or (state.gap_deadline > now and not force):
-                continue
-            await self._repair(source, state)
+        expired = [
+            s
+            for s in self._gapped
+            if s.gap_deadline is not None and (force or s.gap_deadline <= now)
+        ]
+        await self._repair(expired)
+        for state in expired:
             self._declare_lost(state)
 
     def _declare_lost(self, state: _SourceState) -> None:
         """Give up on the seqs missing before the held messages: Resync, then deliver."""
+        self._close_gap(state)
         while state.held:
             reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
-            self._resync(state, reason, min(state.held) - 1)
+            self._resync(state, reason, state.lowest() - 1)
             self._release(state)
-        self._close_gap(state)
 
-    def _decode_body(
-        self, envelope: Envelope, position: Position
-    ) -> KVEventBatch | LoadMetrics | ControlEvent | None:
+    def _decode_body(self, envelope: Envelope, position: Position) -> Any:
+        """The decoded payload; None for a kind this kvbus does not know (skipped: a
+        newer publisher's), `_MALFORMED` for a payload that does not decode."""
         try:
             if envelope.kind == Kind.KV:
                 batch, skipped = decode_kv_batch(envelope.payload)
                 if skipped:
                     self.stats.skipped_events += skipped
-                    log.warning(
+                    _limited.warning(
+                        "skipped_events",
                         "kvbus: skipped %d unknown or malformed events in %s:%s:%s",
                         skipped,
-                        envelope.source,
+                        shown(envelope.source),
                         envelope.epoch,
                         envelope.seq,
                     )
@@ -496,21 +669,23 @@ class Subscription:
                 return decode_control(envelope.payload)
         except (msgspec.DecodeError, ValueError) as error:
             self.stats.malformed += 1
-            log.warning(
-                "kvbus: skipped malformed payload of %s:%s:%s at %s:%s: %s",
-                envelope.source,
+            _limited.warning(
+                "malformed_payload",
+                "kvbus: skipped malformed payload of %s:%s:%s at %s:%s (resync): %s",
+                shown(envelope.source),
                 envelope.epoch,
                 envelope.seq,
                 self.stream,
-                position,
-                error,
+                shown(position),
+                shown(str(error)),
             )
-            return None
+            return _MALFORMED
         self.stats.unknown_kind += 1
-        log.warning(
+        _limited.warning(
+            "unknown_kind",
             "kvbus: skipped message of unknown kind %d from %s:%s:%s",
             envelope.kind,
-            envelope.source,
+            shown(envelope.source),
             envelope.epoch,
             envelope.seq,
         )
@@ -525,10 +700,6 @@ class Subscription:
             seq = item.lost[1] if item.lost else (last.seq if last and same_epoch else 0)
             position = last.position if last else None
             self._yielded[item.source] = SourceCursor(item.epoch, seq, position)
-
-
-def _missing(state: _SourceState) -> set[int]:
-    return set(range(state.seq + 1, max(state.held))) - state.held.keys() if state.held else set()
 
 
 def subscribe(

@@ -114,7 +114,35 @@ async def test_gaps_filled_from_replay_and_losses_announced(
     # Engine batches 0..13 and 20..24 arrive untouched; 14..19 are announced as lost.
     assert kv == payloads[:14] + payloads[20:25]
     assert [i.reason for i in items if isinstance(i, Resync)] == [ResyncReason.DROPPED]
-    assert len(lost_seqs(items)) == 6
+    assert len(lost_seqs(items)) == 1  # one bus seq stands for the whole loss
+    assert bridge.publisher is not None and bridge.publisher.stats.dropped == 6
+
+
+async def test_a_huge_seq_jump_is_one_announced_loss(memory_url: str) -> None:
+    """A jump of 2**40 in the engine's seq (a forged frame) used to loop once per seq."""
+    port = free_port(pair=True)
+    engine = FakeEngine(port, old_replies=False)
+    bridge = EngineBridge(
+        f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", source="e", url=memory_url
+    )
+    payloads = [kv_payload(0), kv_payload(1)]
+    task = asyncio.create_task(bridge.run())
+    try:
+        await asyncio.sleep(0.5)
+        await engine.publish(payloads[0])
+        await wait_forwarded(bridge, 0)
+        engine.seq = 2**40
+        await engine.publish(payloads[1])
+        await wait_forwarded(bridge, 2**40)
+        assert bridge.publisher is not None and await bridge.publisher.aflush()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        engine.close()
+    items = [i async for i in kvbus.subscribe(url=memory_url, follow=False)]
+    assert [i.reason for i in items if isinstance(i, Resync)] == [ResyncReason.DROPPED]
+    kv = [i.payload for i in items if isinstance(i, Message) and i.kind is kvbus.Kind.KV]
+    assert kv == payloads
 
 
 async def test_engine_restart_is_a_new_epoch(memory_url: str) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvbus.transports import open_transport
+import msgspec
+from kvbus.transports import Record, open_transport
 
 import kvbus
 from kvbus import Message, Resync, ResyncReason
 from kvbus.events import BlockStored, KVEventBatch, SourceStarted, encode
 
-from .conftest import Bus, Item, kv_payload, last_seq_is, read_until, seqs
+from .conftest import Bus, Item, envelope, kv_payload, last_seq_is, read_until, seqs
 
 
 def kv_messages(items: list[Item], source: str | None = None) -> list[Message]:
@@ -299,4 +300,40 @@ async def test_reading_only_the_recent_past(bus: Bus) -> None:
         assert items[0].lost == (1, 51)
         assert seqs(items) == list(range(52, 102))
     assert bus.scheme == "zmq" or position is not None
+    publisher.close()
+
+
+def nested(depth: int) -> bytes:
+    """msgpack for ``[[[...[nil]...]]]``, ``depth`` levels: 1 byte per level."""
+    return b"\x91" * depth + b"\xc0"
+
+
+async def test_hostile_messages_are_skipped_and_lose_nothing(bus: Bus) -> None:
+    """Nesting 3,000 levels deep (in a payload, and in an extra envelope field), and
+    envelopes forged under the real source's name with epoch 2**64-1 or seq 2**64-1:
+    each is counted and skipped, at O(1) cost, and every real message still arrives."""
+    publisher = bus.publisher("engine-a", max_batch=4)
+    publisher.publish(kv_payload(0))
+    publisher.publish(b"\x92\xcb" + bytes(8) + nested(3000))  # seq 3: a batch too deep
+    assert publisher.flush()
+    head = msgspec.msgpack.encode([1, 1, "engine-a", publisher.epoch, 4, time.time(), b"", 0])
+    forged = [
+        envelope("engine-a", 2**64 - 1, 1),
+        envelope("engine-a", publisher.epoch, 2**64 - 1),
+        b"\x99" + head[1:] + nested(3000),  # a valid envelope, plus a 9th field
+    ]
+    transport = open_transport(bus.base)
+    try:
+        records = [Record("engine-a", f"forged-{i}", data) for i, data in enumerate(forged)]
+        await transport.append(bus.stream, records)
+    finally:
+        await transport.aclose()
+    for i in range(1, 5):
+        publisher.publish(kv_payload(i))
+    assert publisher.flush()
+    items, sub = await history(bus)
+    assert seqs(items) == [1, 2, 4, 5, 6, 7]
+    resyncs = [i for i in items if isinstance(i, Resync)]
+    assert resyncs == [Resync("engine-a", publisher.epoch, ResyncReason.MALFORMED, (3, 3))]
+    assert (sub.stats.malformed, sub.stats.implausible) == (2, 2)
     publisher.close()

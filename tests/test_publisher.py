@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import kvbus
 from kvbus import LossNotice, Message, Resync, ResyncReason
 
 from .conftest import collect, kv_payload, lost_seqs
+from .servers import free_port
 
 
 class StalledTransport(MemoryTransport):
@@ -162,3 +164,22 @@ def test_trailing_drops_are_announced_without_a_further_publish(memory_url: str)
     assert lost_seqs(items) == dropped_seqs - {notice.seq}
     assert notice.body == LossNotice(dropped=len(dropped_seqs))
     publisher.close()
+
+
+@pytest.mark.parametrize("scheme", ["redis", "nats"])
+async def test_passwords_stay_out_of_logs_and_repr(
+    scheme: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    option = "timeout" if scheme == "nats" else "socket_connect_timeout"
+    url = f"{scheme}://kvbus-user:s3cret-pw@127.0.0.1:{free_port()}?{option}=0.5"
+    with caplog.at_level(logging.INFO, logger="kvbus"):
+        publisher = kvbus.Publisher(url, source="engine")
+        for _ in range(100):
+            if publisher.stats.send_errors >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert publisher.stats.send_errors >= 1  # the server is not there: errors logged
+        assert "s3cret" not in repr(publisher)
+        await publisher.aclose(0.5)
+    assert "kvbus-user:***@" in caplog.text
+    assert "s3cret" not in caplog.text

@@ -293,6 +293,8 @@ async def test_bad_input_is_counted_logged_and_skipped(
         assert delivered == [1, 3]
     if case in ("future_version", "oversized"):
         assert Resync("a", E1, ResyncReason.GAP, (2, 2)) in items
+    if case == "malformed_payload":  # seq 2's effect is lost: the consumer must reset "a"
+        assert Resync("a", E1, ResyncReason.MALFORMED, (2, 2)) in items
     assert seqs(items, "b") == [1]
 
 

@@ -198,25 +198,6 @@ async def test_redis_entries_hold_packs_and_foreign_entries_are_skipped(
     assert sub.stats.malformed == 1
 
 
-async def test_zmq_publisher_survives_garbage_replay_requests() -> None:
-    import zmq
-    import zmq.asyncio
-
-    port = free_port(pair=True)
-    url = f"zmq://127.0.0.1:{port}?timeout=1"
-    publisher = kvbus.Publisher(url, source="engine")
-    publisher.publish(kv_payload(1))
-    assert publisher.flush()
-    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{port + 1}")
-    for frames in ([b"x"], [b"1", b"kv", b"not-a-number"], [b"1", b"kv", b"", b"extra"]):
-        await dealer.send_multipart(frames)
-    dealer.close(0)
-    items = [i async for i in kvbus.subscribe(url=url, follow=False)]
-    assert seqs(items) == [1, 2]
-    publisher.close()
-
-
 def _make_certificates(directory: Path) -> None:
     """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI)."""
     (directory / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")

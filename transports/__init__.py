@@ -41,6 +41,10 @@ class Entry(msgspec.Struct, frozen=True, gc=False):
 
     position: int | str
     data: bytes
+    sender: str | None = None
+    """The source the backend authenticated as this entry's publisher (NATS: from the
+    subject, which subject permissions restrict), or None when it cannot tell. The
+    subscriber rejects an envelope in it that claims another source."""
 
 
 class RecordTooLarge(ValueError):

@@ -19,8 +19,13 @@ existing stream is updated to them when given:
 Delivery: ``append`` returns once JetStream acknowledged every record (stored per the
 stream's storage and the server's ``sync_interval``; use ``sync_interval: always`` to
 survive a machine crash, not only a server crash). Each stored entry carries
-``Nats-Msg-Id`` = ``source:epoch:seq+count`` of its records, so a retried append within
-the duplicate window is dropped by the server. All packs of an append are in flight
+``Nats-Msg-Id`` = ``source:epoch:seq+count`` of its records and a keyed hash of that and
+the subject, so a retried append within the duplicate window is dropped by the server,
+and nobody else can send a message id ahead of the publisher to have its packs dropped.
+
+Trust: the subject names the publishing source, and a reader rejects an envelope that
+claims another (`Entry.sender`), so subject permissions (``publish:
+kvbus.kv.engine-a``) are what authenticates a publisher. All packs of an append are in flight
 together (``publish_async``), never one round trip per message. Reads use an ordered
 consumer from a stream sequence and reconnect forever through nats-py's own
 reconnection; a read that stops making progress while the stream grows is restarted
@@ -31,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import nats
 import nats.errors
@@ -43,6 +50,8 @@ from kvbus.transports import LATEST, Entry, Position, Record, Transport
 from kvbus.transports.packing import entries_after, make_packs, position, split_position
 from nats.aio.client import Client
 from nats.js import JetStreamContext, api
+
+from kvbus.config import redact_text, redact_url
 
 log = logging.getLogger("kvbus.transports.nats")
 
@@ -67,6 +76,7 @@ class NatsTransport(Transport):
         credentials, _, hosts = netloc.rpartition("@")
         prefix = f"{parts.scheme}://{credentials + '@' if credentials else ''}"
         self.servers = [prefix + host for host in hosts.split(",")]
+        self._display = redact_url(f"{parts.scheme}://{netloc}")
         self.timeout = float(query.pop("timeout", DEFAULT_TIMEOUT))
         self._limits: dict[str, Any] = {}
         for key, convert in (
@@ -85,31 +95,37 @@ class NatsTransport(Transport):
         self._js: JetStreamContext | None = None
         self._ready: set[str] = set()
         self._last_error = ""
+        self._id_key = os.urandom(16)  # makes this publisher's message ids unguessable
 
     async def _connect(self) -> JetStreamContext:
         if self._js is None:
-            self._nc = await nats.connect(
-                self.servers,
-                name="kvbus",
-                max_reconnect_attempts=-1,  # reconnect forever
-                reconnect_time_wait=0.5,
-                connect_timeout=2,
-                error_cb=self._on_error,
-                disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected,
-            )
+            # nats-py retries a first connect for ever (max_reconnect_attempts=-1):
+            # bound it, so the caller counts a failure and retries.
+            self._nc = await asyncio.wait_for(self._open(), self.timeout)
             self._js = self._nc.jetstream(timeout=self.timeout)
         return self._js
+
+    async def _open(self) -> Client:
+        return await nats.connect(
+            self.servers,
+            name="kvbus",
+            max_reconnect_attempts=-1,  # reconnect forever
+            reconnect_time_wait=0.5,
+            connect_timeout=2,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+        )
 
     async def _on_error(self, error: Exception) -> None:
         # nats-py reports every failed reconnect attempt; say each new kind once.
         if repr(error) != self._last_error:
             self._last_error = repr(error)
-            log.warning("kvbus: nats %s: %r", self.servers, error)
+            log.warning("kvbus: nats %s: %s", self._display, redact_text(repr(error), self.servers))
 
     async def _on_disconnected(self) -> None:
         if self._nc is not None and not (self._nc.is_closed or self._nc.is_draining):
-            log.warning("kvbus: nats disconnected from %s; reconnecting", self.servers)
+            log.warning("kvbus: nats disconnected from %s; reconnecting", self._display)
 
     async def _on_reconnected(self) -> None:
         log.warning("kvbus: nats reconnected")
@@ -139,19 +155,24 @@ class NatsTransport(Transport):
         js = await self._connect()
         assert self._nc is not None
         packs = make_packs(records, self._nc.max_payload - _HEADER_ROOM)
-        acks = [
-            await js.publish_async(
-                f"kvbus.{stream}.{_subject_token(pack.source)}",
-                pack.data,
-                headers={"Nats-Msg-Id": pack.msg_id},
+        acks = []
+        for pack in packs:
+            subject = f"kvbus.{stream}.{_subject_token(pack.source)}"
+            acks.append(
+                await js.publish_async(
+                    subject, pack.data, headers={"Nats-Msg-Id": self._msg_id(subject, pack.msg_id)}
+                )
             )
-            for pack in packs
-        ]
         try:
             await asyncio.wait_for(asyncio.gather(*acks), self.timeout)
         except nats.js.errors.NoStreamResponseError:
             self._ready.discard(stream)  # the stream was deleted: create it again
             raise
+
+    def _msg_id(self, subject: str, msg_id: str) -> str:
+        """The same for every retry of a pack by this transport, unguessable by others."""
+        digest = hashlib.blake2s(f"{subject} {msg_id}".encode(), key=self._id_key, digest_size=8)
+        return f"{msg_id}:{digest.hexdigest()}"
 
     async def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False
@@ -222,6 +243,7 @@ class NatsTransport(Transport):
             pending_msgs_limit=4096,
         )
         seen = (start or 1) - 1
+        prefix = f"kvbus.{stream}."
         try:
             while True:
                 try:
@@ -241,10 +263,12 @@ class NatsTransport(Transport):
                         start,
                         sequence,
                     )
+                # The subject's token is the source its publisher was allowed to send as.
+                sender = unquote(msg.subject[len(prefix) :])
                 for position, data in entries_after(
                     sequence, msg.data, skip if sequence == start else -1
                 ):
-                    yield Entry(position, data)
+                    yield Entry(position, data, sender)
                 seen = sequence
                 if not follow and seen >= end:
                     return

@@ -42,17 +42,20 @@ class Pack(NamedTuple):
     """How many envelopes it holds."""
 
 
-def make_packs(records: Sequence[Record], max_bytes: int | None = None) -> list[Pack]:
+def make_packs(
+    records: Sequence[Record], max_bytes: int | None = None, *, hard_limit: bool = True
+) -> list[Pack]:
     """Consecutive records of one source, packed into entries of at most ``max_bytes``.
 
-    Raises `RecordTooLarge` (before anything is sent) if one record alone exceeds it.
+    A record that alone exceeds it raises `RecordTooLarge` (before anything is sent)
+    with ``hard_limit`` (the backend refuses larger entries), else gets a pack of its own.
     """
     packs: list[Pack] = []
     start = 0
     size = _ARRAY_HEADER
     for i, record in enumerate(records):
         cost = len(record.data) + _OVERHEAD
-        if max_bytes is not None and cost + _ARRAY_HEADER > max_bytes:
+        if max_bytes is not None and cost + _ARRAY_HEADER > max_bytes and hard_limit:
             raise RecordTooLarge(record.msg_id, len(record.data), max_bytes)
         full = i - start >= MAX_RECORDS or (max_bytes is not None and size + cost > max_bytes)
         if i > start and (full or record.source != records[start].source):

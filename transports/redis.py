@@ -4,7 +4,8 @@
 (``ssl_cert_reqs``, ``socket_timeout``...) are passed to ``redis.asyncio.from_url``.
 Each kvbus stream is the Redis stream ``kvbus:<stream>``, capped with ``XADD MAXLEN ~
 maxlen`` (default 100,000 entries; an entry packs one append's messages; 0 keeps
-everything). ``block`` is how long one ``XREAD BLOCK`` waits (default 1000 ms).
+everything). ``block`` is how long one ``XREAD BLOCK`` waits (default 1000 ms). Every call
+has a timeout: ``socket_timeout`` (default 5 s) and ``socket_connect_timeout`` (2 s).
 
 Delivery: ``append`` returns once Redis executed the pipelined ``XADD``s; durability
 is the server's (``appendonly yes`` with ``appendfsync always`` survives a crash). A
@@ -12,12 +13,19 @@ retried append may store an entry twice; the subscriber drops the copy. A read r
 from an entry id; when the entries after it were trimmed meanwhile, a warning names
 what was lost and the subscriber reports the missing seqs as a gap. Positions are
 ``<entry id>/<index in the entry>``.
+
+Anyone who can write the key can add an entry with an explicit id far in the future
+(``XADD key 18446744073709551615-18446744073709551615``), after which every ``XADD *``
+fails. Readers skip entries whose id is more than an hour ahead of this clock, and a
+publisher that hits the error deletes them and resets the stream's last id, then
+retries. Keep writers out with ACLs (see the README's trust model).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -33,6 +41,8 @@ DEFAULT_BLOCK_MS: Final = 1000
 _CHUNK: Final = 512  # entries per XRANGE / XREAD round trip
 _FIELD: Final = b"d"
 _MAX_SEQ: Final = 2**64 - 1
+_FUTURE_MS: Final = 3600 * 1000  # an entry id further ahead of this clock is forged
+_DEFAULT_TIMEOUTS: Final = (("socket_timeout", "5"), ("socket_connect_timeout", "2"))
 
 
 class RedisTransport(Transport):
@@ -41,7 +51,9 @@ class RedisTransport(Transport):
         options = []
         self.maxlen: int | None = DEFAULT_MAXLEN
         self.block_ms = DEFAULT_BLOCK_MS
-        for key, value in parse_qsl(parts.query):
+        given = parse_qsl(parts.query)
+        names = {key for key, _ in given}
+        for key, value in [*given, *(d for d in _DEFAULT_TIMEOUTS if d[0] not in names)]:
             if key == "maxlen":
                 self.maxlen = int(value) or None
             elif key == "block":
@@ -58,7 +70,29 @@ class RedisTransport(Transport):
         pipe = self._client.pipeline(transaction=False)
         for pack in make_packs(records):
             pipe.xadd(key, {_FIELD: pack.data}, maxlen=self.maxlen, approximate=True)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except redis.ResponseError as error:
+            if "last possible ID" in str(error) or "top item" in str(error):
+                await self._drop_future_entries(key)
+            raise  # the publisher retries
+
+    async def _drop_future_entries(self, key: str) -> None:
+        """Delete entries whose ids are ahead of the clock and set the stream's last id
+        back to its newest real entry, so that ``XADD *`` works again."""
+        client: Any = self._client
+        horizon = f"{int(time.time() * 1000) + _FUTURE_MS}-0"
+        forged = [entry_id for entry_id, _ in await client.xrevrange(key, "+", horizon)]
+        if forged:
+            await client.xdel(key, *forged)
+        newest = await client.xrevrange(key, count=1)
+        await client.execute_command("XSETID", key, newest[0][0] if newest else "0-1")
+        log.error(
+            "kvbus: redis %s had %d entries with ids ahead of the clock (an XADD with an "
+            "explicit id: restrict writes with ACLs); deleted them and reset the last id",
+            key,
+            len(forged),
+        )
 
     async def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False
@@ -87,10 +121,15 @@ class RedisTransport(Transport):
                 batch = await client.xrange(key, b"(" + last, end, count=_CHUNK)
                 if not batch:
                     return
-            for entry in _entries(batch):
+            real = [e for e in batch if _id(e[0])[0] <= time.time() * 1000 + _FUTURE_MS]
+            for entry in _entries(real):
                 yield entry
-            if batch:
-                last = batch[-1][0]
+            if real:
+                last = real[-1][0]
+            elif batch:  # only a forged entry ahead: do not spin on it
+                await asyncio.sleep(self.block_ms / 1000)
+                if not follow:
+                    return
 
     async def position_at(self, stream: str, wall_time: float) -> Position | None:
         # Entry ids are the server's append time in ms: the last possible id of the

@@ -1,8 +1,9 @@
-"""``zmq://[HOST:PORT][,HOST:PORT...][?ring=N&hwm=N&timeout=S]``: ZeroMQ, no server.
+"""``zmq://[HOST:PORT][,HOST:PORT...][?ring=N&ring_bytes=B&hwm=N&timeout=S]``: ZeroMQ, no server.
 
 The publishing process binds HOST:PORT (default ``127.0.0.1:5590``; ``*`` binds every
 interface) with a PUB socket for the live stream, and PORT+1 with a ROUTER that replays
-the newest ``ring`` envelopes (default 100,000) per stream from memory. Subscribers
+the newest ``ring`` envelopes (default 100,000, and at most ``ring_bytes``, default 64
+MiB) per stream from memory. Subscribers
 connect to one or several publishers (``zmq://h1:5590,h2:5590``) and get, per endpoint:
 the replay of what they asked for, then the live stream, with no hole between the two.
 
@@ -17,6 +18,14 @@ What this fixes in vLLM's own ZMQ pattern:
   mark reached, reconnect, publisher restart) is seen and filled from the ring;
 * high-water marks are set, the default bind is loopback, and the replay socket refuses
   to drop replies (``ROUTER_MANDATORY``): a slow replayer is paused, not truncated.
+
+What the publishing process holds is bounded in bytes whatever its peers do: packs are
+at most 64 KiB (bar a single larger envelope), so a subscriber that never reads costs at
+most ``hwm`` packs (default 256: 16 MiB) before the live stream drops for it (it then
+refills from the ring); a replay request is checked before it is parsed and is at most
+1 KiB; each peer has at most one replay running (a new request replaces it: a
+subscriber waits for one answer at a time), and at most 64 run at once, the oldest
+giving way.
 
 Several publishers in one process (the KV and metrics streams of one engine) share one
 bound endpoint. Delivery: an append is stored in the publishing process's ring and
@@ -44,14 +53,22 @@ import zmq.asyncio
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
 from kvbus.transports.packing import Pack, entries_after, make_packs, split_position
 
+from kvbus.logs import LimitedLog
+
 log = logging.getLogger("kvbus.transports.zmq")
+_limited = LimitedLog(log)
 
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 5590
 DEFAULT_RING: Final = 100_000
-DEFAULT_HWM: Final = 10_000
+DEFAULT_RING_BYTES: Final = 64 * 1024 * 1024
+DEFAULT_HWM: Final = 256
 DEFAULT_TIMEOUT: Final = 2.0
+PACK_BYTES: Final = 64 * 1024
 _REPLAY_CHUNK: Final = 256  # packs sent per replay before serving others
+_MAX_REPLAYS: Final = 64
+_MAX_REQUEST_BYTES: Final = 1024
+_MAX_OFFSET_DIGITS: Final = 20  # 2**64 - 1
 
 # Replay protocol (DEALER -> ROUTER): [request_id, stream, after], after being b"" (all),
 # b"$" (nothing, just the end marker) or an ASCII ring offset. Replies: [request_id,
@@ -87,10 +104,12 @@ class _Ring:
     """The newest packs of one stream; offsets are consecutive, starting at the time in
     ms so that a restarted publisher's offsets do not repeat its predecessor's."""
 
-    def __init__(self, max_records: int) -> None:
+    def __init__(self, max_records: int, max_bytes: int) -> None:
         self.packs: collections.deque[tuple[int, bytes, int]] = collections.deque()
         self.records = 0
+        self.bytes = 0
         self.max_records = max_records
+        self.max_bytes = max_bytes
         self.next_offset = int(time.time() * 1000)
 
     def add(self, pack: Pack) -> int:
@@ -98,8 +117,13 @@ class _Ring:
         self.next_offset += 1
         self.packs.append((offset, pack.data, pack.length))
         self.records += pack.length
-        while self.records > self.max_records and len(self.packs) > 1:
-            self.records -= self.packs.popleft()[2]
+        self.bytes += len(pack.data)
+        while (self.records > self.max_records or self.bytes > self.max_bytes) and len(
+            self.packs
+        ) > 1:
+            _, data, length = self.packs.popleft()
+            self.records -= length
+            self.bytes -= len(data)
         return offset
 
     @property
@@ -131,10 +155,11 @@ class _Server:
     safe).
     """
 
-    def __init__(self, endpoint: _Endpoint, ring: int, hwm: int) -> None:
+    def __init__(self, endpoint: _Endpoint, ring: int, ring_bytes: int, hwm: int) -> None:
         self.endpoint = endpoint
         self.users = 0
         self._ring_records = ring
+        self._ring_bytes = ring_bytes
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)
         self._router = context.socket(zmq.ROUTER)
@@ -143,6 +168,7 @@ class _Server:
             self._pub.setsockopt(zmq.LINGER, 1000)
             self._router.setsockopt(zmq.SNDHWM, hwm)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)  # drops the peer
             self._router.setsockopt(zmq.LINGER, 0)
             self._pub.bind(endpoint.bind(endpoint.port))
             self._router.bind(endpoint.bind(endpoint.port + 1))
@@ -153,7 +179,8 @@ class _Server:
         self._lock = threading.Lock()
         self._rings: dict[bytes, _Ring] = {}
         self._outbox: collections.deque[tuple[bytes, int, bytes]] = collections.deque()
-        self._replays: list[_Replay] = []
+        self._replays: dict[bytes, _Replay] = {}  # by peer, oldest first
+        self.refused_requests = 0
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -168,7 +195,7 @@ class _Server:
         with self._lock:
             ring = self._rings.get(topic)
             if ring is None:
-                ring = self._rings[topic] = _Ring(self._ring_records)
+                ring = self._rings[topic] = _Ring(self._ring_records, self._ring_bytes)
             for pack in packs:
                 self._outbox.append((topic, ring.add(pack), pack.data))
         self._wake()
@@ -218,13 +245,12 @@ class _Server:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 4:
-                log.warning("kvbus: ignored malformed replay request (%d frames)", len(frames))
+            problem = _bad_request(frames)
+            if problem:
+                self.refused_requests += 1
+                _limited.warning("request", "kvbus: zmq refused a replay request: %s", problem)
                 continue
             identity, request, stream, after = frames
-            if after and after != LATEST.encode() and not after.isdigit():
-                log.warning("kvbus: ignored replay request with position %r", after[:40])
-                continue
             self._start_replay(identity, request, stream, after)
 
     def _start_replay(self, identity: bytes, request: bytes, stream: bytes, after: bytes) -> None:
@@ -234,21 +260,32 @@ class _Server:
             first = ring.first if ring else None
             last = ring.last if ring else None
         replay = _Replay(identity, request, stream, first or 0)
-        if last is None or after == LATEST.encode():
-            self._reply(replay, _END, _offset_bytes(last))
-            return
-        if after:
-            wanted = int(after) + 1
-            if first is not None and first <= wanted <= last + 1:
-                replay.next_offset = wanted
-            else:  # trimmed, or from another ring (the publisher restarted)
-                self._reply(replay, _LOST, _offset_bytes(first))
-        self._replays.append(replay)
+        # A peer waits for one answer at a time: its new request replaces the old one.
+        self._replays.pop(identity, None)
+        try:
+            if last is None or after == LATEST.encode():
+                self._reply(replay, _END, _offset_bytes(last))
+                return
+            if after:
+                wanted = int(after) + 1
+                if first is not None and first <= wanted <= last + 1:
+                    replay.next_offset = wanted
+                else:  # trimmed, or from another ring (the publisher restarted)
+                    self._reply(replay, _LOST, _offset_bytes(first))
+        except (zmq.Again, zmq.ZMQError):
+            return  # the peer is gone or does not read: it will ask again
+        if len(self._replays) >= _MAX_REPLAYS:
+            oldest = next(iter(self._replays))
+            del self._replays[oldest]
+            _limited.warning(
+                "replays", "kvbus: zmq %d replays running: dropped the oldest", _MAX_REPLAYS
+            )
+        self._replays[identity] = replay
 
     def _step_replays(self) -> bool:
         """Send the next chunk of every replay; True if one had to pause."""
         paused = False
-        for replay in list(self._replays):
+        for replay in list(self._replays.values()):
             with self._lock:
                 ring = self._rings[_topic(replay.stream)]
                 if replay.next_offset < ring.first:  # trimmed while replaying
@@ -267,18 +304,35 @@ class _Server:
                     replay.next_offset = offset + 1
                 if last is None or replay.next_offset > last:
                     self._reply(replay, _END, _offset_bytes(last))
-                    self._replays.remove(replay)
+                    self._replays.pop(replay.identity, None)
             except zmq.Again:
                 paused = True
             except zmq.ZMQError as error:
                 if error.errno != errno.EHOSTUNREACH:
                     raise
-                self._replays.remove(replay)  # the client went away
+                self._replays.pop(replay.identity, None)  # the client went away
         return paused
 
     def _reply(self, replay: _Replay, kind: bytes, offset: bytes, data: bytes = b"") -> None:
         frames = [replay.identity, replay.request, kind, replay.stream, offset, data]
         self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+
+
+def _bad_request(frames: list[bytes]) -> str | None:
+    """Why ``frames`` is not a replay request this server answers, if it is not; checked
+    before anything is parsed (a 5,000-digit number costs int() quadratic time)."""
+    if len(frames) != 4:
+        return f"{len(frames)} frames"
+    _, request, stream, after = frames
+    if not 0 < len(request) <= 32 or not 0 < len(stream) <= 64:
+        return "request id or stream name of a bad size"
+    if (
+        after
+        and after != LATEST.encode()
+        and not (len(after) <= _MAX_OFFSET_DIGITS and after.isdigit() and int(after) < 2**64)
+    ):
+        return f"position {after[:24]!r}"
+    return None
 
 
 def _topic(stream: str | bytes) -> bytes:
@@ -291,11 +345,11 @@ _servers: dict[_Endpoint, _Server] = {}
 _servers_lock = threading.Lock()
 
 
-def _acquire_server(endpoint: _Endpoint, ring: int, hwm: int) -> _Server:
+def _acquire_server(endpoint: _Endpoint, ring: int, ring_bytes: int, hwm: int) -> _Server:
     with _servers_lock:
         server = _servers.get(endpoint)
         if server is None:
-            server = _servers[endpoint] = _Server(endpoint, ring, hwm)
+            server = _servers[endpoint] = _Server(endpoint, ring, ring_bytes, hwm)
         server.users += 1
         return server
 
@@ -439,18 +493,19 @@ class ZmqTransport(Transport):
         query = parse_qs(parts.query)
         self.endpoints = [_parse_endpoint(e) for e in (parts.netloc or "").split(",")]
         self.ring = int(query.get("ring", [DEFAULT_RING])[0])
+        self.ring_bytes = int(query.get("ring_bytes", [DEFAULT_RING_BYTES])[0])
         self.hwm = int(query.get("hwm", [DEFAULT_HWM])[0])
         self.timeout = float(query.get("timeout", [DEFAULT_TIMEOUT])[0])
-        if self.ring < 1 or self.hwm < 0 or self.timeout <= 0:
-            raise ValueError(f"ring, hwm and timeout must be positive in {url!r}")
+        if self.ring < 1 or self.ring_bytes < 1 or self.hwm < 0 or self.timeout <= 0:
+            raise ValueError(f"ring, ring_bytes, hwm and timeout must be positive in {url!r}")
         self._server: _Server | None = None
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:
         if self._server is None:
             if len(self.endpoints) != 1:
                 raise ValueError("a zmq:// publisher binds exactly one HOST:PORT")
-            self._server = _acquire_server(self.endpoints[0], self.ring, self.hwm)
-        self._server.append(stream, make_packs(records))
+            self._server = _acquire_server(self.endpoints[0], self.ring, self.ring_bytes, self.hwm)
+        self._server.append(stream, make_packs(records, PACK_BYTES, hard_limit=False))
 
     async def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False
