@@ -20,9 +20,20 @@ its JSON) otherwise.
 
 Requests the router cannot read (invalid JSON, a model it does not know, a prompt it
 cannot tokenize, token ids that are no token ids) go to a live worker unrouted, so the
-client gets vLLM's own error; a prompt too long is routed and vLLM answers. With no
-worker alive the answer is 503 in vLLM's error shape. ``/metrics`` serves Prometheus
-series, among them how exactly each decision predicted the engine's cached tokens.
+client gets vLLM's own error; so do requests that bring their own ``chat_template``
+(vLLM decides whether to accept one). A prompt too long is routed and vLLM answers. With
+no worker alive the answer is 503 in vLLM's error shape; every error the router itself
+gives has that shape. ``/metrics`` serves Prometheus series, among them how exactly each
+decision predicted the engine's cached tokens.
+
+What a client or a worker can cost it is bounded: tokenizing runs in two threads of its
+own, never on the event loop, and a body over ``--max-tokenize-bytes`` is routed by load
+alone; a client must send its request headers within ``--header-timeout`` and its body
+within ``--body-timeout``; a client that leaves cancels its request upstream. Each
+worker gets at most ``--worker-connections`` connections, so one that hangs cannot take
+the others' share; a worker that refuses, drops, times out (``--worker-timeout`` to its
+first byte) or answers something that is not HTTP is marked down and the request goes
+to another.
 """
 
 from __future__ import annotations
@@ -34,8 +45,10 @@ import json
 import logging
 import os
 import re
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 import aiohttp
@@ -56,6 +69,7 @@ _HOP_BY_HOP: Final = {
 _TOKEN_BUCKETS: Final = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ERROR_BUCKETS: Final = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 _TOKEN_LIMIT: Final = 2**32  # vLLM's token ids are unsigned 32-bit
+_LOAD_ONLY: Final[tuple[list[int], None]] = ([], None)  # routed by load alone
 
 
 def error_body(message: str, kind: str, status: int) -> web.Response:
@@ -88,6 +102,9 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens routed")
         self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
+        self.slow_clients = counter(
+            "slow_clients", "Connections closed: no request head within --header-timeout", ()
+        )
         self.bad_items = counter(
             "bad_stream_items", "Bus items the router could not apply (logged, skipped)", ()
         )
@@ -190,6 +207,11 @@ class RouterApp:
         kv_stream: str = "kv",
         metrics_stream: str = "metrics",
         down_for: float = 5.0,
+        *,
+        worker_connections: int = 256,
+        worker_timeout: float = 300.0,
+        body_timeout: float = 30.0,
+        max_tokenize_bytes: int = 2**20,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
         self.router = router
@@ -206,13 +228,20 @@ class RouterApp:
         """The kv stream's retained history is in the index."""
         self.load_read = False
         """The metrics stream's recent past (each engine's latest load) was read."""
+        self.worker_connections = worker_connections
+        self.worker_timeout = worker_timeout
+        self.body_timeout = body_timeout
+        self.max_tokenize_bytes = max_tokenize_bytes
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="kvbus-tokenize")
+        self._head_timers: dict[Any, asyncio.TimerHandle] = {}
+        """Connections yet to send a whole request head, and when they must have."""
 
     # --- lifecycle -------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.list_models)
@@ -222,10 +251,11 @@ class RouterApp:
         return app
 
     async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
-        # No total timeout: generations take as long as they take; a dead worker shows
-        # as a refused or timed-out connection.
+        # No total timeout: a stream takes as long as it takes. Up to the first byte
+        # (all of a response that is not streamed), --worker-timeout.
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=self.worker_connections),
         )
         self._tasks = [
             asyncio.create_task(self._follow_kv()),
@@ -239,6 +269,7 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.session.close()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     @property
     def ready(self) -> bool:
@@ -342,10 +373,32 @@ class RouterApp:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda t, body: t.chat(body))
 
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error the router gives in vLLM's shape, none as aiohttp's text/plain."""
+        timer = self._head_timers.pop(request.protocol, None)
+        if timer is not None:
+            timer.cancel()
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except web.HTTPException as error:
+            return error_body(error.reason, type(error).__name__, error.status)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return error_body("The router failed on this request.", "InternalServerError", 500)
+
     async def _generate(self, request: web.Request, tokenize: Tokenize) -> web.StreamResponse:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), self.body_timeout)
+        except TimeoutError:
+            return error_body("The request body did not arrive in time.", "RequestTimeout", 408)
         started = time.perf_counter()
-        read = self._tokens(raw, tokenize)
+        if len(raw) > self.max_tokenize_bytes:
+            read: tuple[list[int], str | None] | None = _LOAD_ONLY
+        else:
+            loop = asyncio.get_running_loop()
+            read = await loop.run_in_executor(self._tokenizing, self._tokens, raw, tokenize)
         if read is None:  # the engine explains what is wrong with it
             self.metrics.unrouted.inc()
             tokens: list[int] = []
@@ -367,10 +420,12 @@ class RouterApp:
                 log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             try:
                 return await self._forward(request, raw, decision)
-            except _Unreachable:
+            except _Unreachable as error:
                 tried.add(decision.worker)
                 self.router.mark_down(decision.worker, self.down_for)
-                log.warning("worker %s unreachable; down for %ss", decision.worker, self.down_for)
+                log.warning(
+                    "worker %s failed (%r); down for %ss", decision.worker, error, self.down_for
+                )
             finally:
                 self.router.finished(decision)
 
@@ -381,6 +436,8 @@ class RouterApp:
             model = body.get("model")
             if self.models and model is not None and model not in self.models:
                 return None
+            if body.get("chat_template") is not None:
+                return None  # whether to accept one is the engine's decision
             if self.tokenizer is None:
                 return [], None  # not discovered yet: load alone decides
             tokens = tokenize(self.tokenizer, body)
@@ -406,32 +463,26 @@ class RouterApp:
         labels = (decision.worker, decision.policy.value)
         sent = time.perf_counter()
         try:
-            upstream = await self.session.post(
-                self.workers[name] + request.path, data=raw, headers=headers
+            upstream = await asyncio.wait_for(
+                self.session.post(self.workers[name] + request.path, data=raw, headers=headers),
+                self.worker_timeout,
             )
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-            raise _Unreachable from e
+        except (aiohttp.ClientError, TimeoutError) as error:
+            # Refused, dropped, silent or not HTTP, before anything reached the client.
+            raise _Unreachable(repr(error)) from error
         async with upstream:
             self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in _HOP_BY_HOP:
-                    response.headers[key] = value
-            response.headers["x-kvbus-worker"] = decision.worker
-            response.headers["x-kvbus-predicted-cached-tokens"] = str(
-                decision.predicted_cached_tokens
-            )
-            await response.prepare(request)
             streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
-            body = bytearray()
-            async for chunk in upstream.content.iter_any():
-                if not body:  # the first bytes: the engine is past this prompt's prefill
-                    self.router.started(decision)
-                await response.write(chunk)
-                body += chunk
-                if streamed:  # only the tail matters: usage rides on the last event
-                    del body[: max(0, len(body) - _STREAM_TAIL)]
-            await response.write_eof()
+            if streamed:
+                response, body = await self._relay_stream(request, upstream, decision)
+            else:  # all of it first: a worker that breaks off is retried elsewhere
+                try:
+                    body = bytearray(await upstream.read())
+                except aiohttp.ClientError as error:
+                    raise _Unreachable(repr(error)) from error
+                self.router.started(decision)
+                response = web.Response(body=bytes(body), status=upstream.status)
+                self._copy_headers(upstream, response, decision)
         self.metrics.requests.labels(*labels, str(upstream.status)).inc()
         if upstream.status == 200:
             self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
@@ -439,6 +490,41 @@ class RouterApp:
             if reported is not None:
                 self.metrics.observe_prediction(decision, reported)
         return response
+
+    @staticmethod
+    def _copy_headers(
+        upstream: aiohttp.ClientResponse, response: web.StreamResponse, decision: Decision
+    ) -> None:
+        for key, value in upstream.headers.items():
+            if key.lower() not in _HOP_BY_HOP:
+                response.headers[key] = value
+        response.headers["x-kvbus-worker"] = decision.worker
+        response.headers["x-kvbus-predicted-cached-tokens"] = str(decision.predicted_cached_tokens)
+
+    async def _relay_stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, decision: Decision
+    ) -> tuple[web.StreamResponse, bytearray]:
+        """Pass a streamed response on chunk by chunk; returns its tail (the usage)."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        self._copy_headers(upstream, response, decision)
+        await response.prepare(request)
+        tail = bytearray()
+        try:
+            async for chunk in upstream.content.iter_any():
+                if not tail:  # the first bytes: the engine is past this prompt's prefill
+                    self.router.started(decision)
+                await response.write(chunk)
+                tail += chunk
+                del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
+        except aiohttp.ClientError as error:
+            # The client has part of a stream: cut it off, as the worker did.
+            log.warning("worker %s broke off a stream: %r", decision.worker, error)
+            self.router.mark_down(decision.worker, self.down_for)
+            if request.transport is not None:
+                request.transport.close()
+            return response, bytearray()
+        await response.write_eof()
+        return response, tail
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
@@ -464,6 +550,19 @@ class RouterApp:
             body=prom.generate_latest(self.metrics.registry),
             headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
         )
+
+    def expect_head(self, protocol: Any, timeout: float) -> None:
+        """Close ``protocol``'s connection unless a request head arrives within
+        ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        self._head_timers[protocol] = loop.call_later(timeout, self._close_silent, protocol)
+
+    def _close_silent(self, protocol: Any) -> None:
+        self._head_timers.pop(protocol, None)
+        transport = getattr(protocol, "transport", None)
+        if transport is not None and not transport.is_closing():
+            self.metrics.slow_clients.inc()
+            transport.close()
 
     async def health(self, request: web.Request) -> web.Response:
         state = {
@@ -531,12 +630,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stale-after", type=float, default=5.0, help="seconds without metrics")
     parser.add_argument("--block-size", type=int, help="default: from the engines' events")
     parser.add_argument("--seed", type=int, default=0, help="for ties (same inputs, same picks)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--worker-connections", type=int, default=256, help="most connections to one worker"
+    )
+    limits.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to a worker's first byte (all of a response not streamed); then it "
+        "is marked down and the request goes to another",
+    )
+    limits.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds for a client's request head"
+    )
+    limits.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds for a client's request body"
+    )
+    limits.add_argument(
+        "--max-tokenize-bytes",
+        type=int,
+        default=2**20,
+        help="larger request bodies are routed by load alone, not tokenized",
+    )
     parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="debug: every decision with its reason",
     )
+
+
+async def start(
+    app: RouterApp, host: str, port: int, header_timeout: float = 10.0
+) -> tuple[web.AppRunner, asyncio.Server]:
+    """Serve ``app`` on ``host:port``; stop with `stop`.
+
+    Handlers are cancelled when their client leaves (the upstream request with them),
+    and a connection that has not sent a whole request head within ``header_timeout``
+    seconds is closed: aiohttp itself waits for ever, so 3,000 half-sent requests used
+    to hold 3,000 sockets.
+    """
+    runner = web.AppRunner(app.app(), handler_cancellation=True)
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    make_protocol = runner.server
+    assert make_protocol is not None
+
+    def connection() -> asyncio.BaseProtocol:
+        protocol = make_protocol()
+        app.expect_head(protocol, header_timeout)
+        return protocol
+
+    server = await loop.create_server(connection, host, port)
+    return runner, server
+
+
+async def stop(runner: web.AppRunner, server: asyncio.Server) -> None:
+    server.close()
+    await runner.cleanup()
+
+
+async def _serve_forever(app: RouterApp, host: str, port: int, header_timeout: float) -> None:
+    runner, server = await start(app, host, port, header_timeout)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await stopping.wait()
+    finally:
+        await stop(runner, server)
 
 
 def build(args: argparse.Namespace) -> RouterApp:
@@ -549,7 +713,18 @@ def build(args: argparse.Namespace) -> RouterApp:
         stale_after=args.stale_after,
         seed=args.seed,
     )
-    return RouterApp(workers, router, args.url, args.tokenizer, args.kv_stream, args.metrics_stream)
+    return RouterApp(
+        workers,
+        router,
+        args.url,
+        args.tokenizer,
+        args.kv_stream,
+        args.metrics_stream,
+        worker_connections=args.worker_connections,
+        worker_timeout=args.worker_timeout,
+        body_timeout=args.body_timeout,
+        max_tokenize_bytes=args.max_tokenize_bytes,
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -557,7 +732,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    web.run_app(build(args).app(), host=args.host, port=args.port, print=None)
+    asyncio.run(_serve_forever(build(args), args.host, args.port, args.header_timeout))
     return 0
 
 

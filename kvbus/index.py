@@ -38,6 +38,8 @@ MEDIUM_SHIFTS: Final = {None: 0, "GPU": 0, "CPU": _FIELD_BITS, "STORAGE": 2 * _F
 DEFAULT_MEDIUM_WEIGHTS: Final = {"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.25}
 _FULL_ATTENTION: Final = {None, "full_attention", "mla_attention", "sink_full_attention"}
 _ROOT: Final = 0
+MAX_BLOCK_SIZE: Final = 1 << 20
+"""Larger (or non-positive) block sizes in an event are malformed; vLLM's are <= 4096."""
 _MIN_REMEMBERED: Final = 1024
 
 
@@ -141,6 +143,8 @@ class PrefixIndex:
         """per worker number: GPU blocks stored since first seen (copies included)"""
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
+        self.malformed = 0
+        """Stored events skipped for a block size no engine uses (0, negative, huge)."""
         self.unknown_removals = 0
         """Removed blocks this index never saw stored (joined mid-stream, or skipped)."""
         self.offloaded = False
@@ -174,6 +178,9 @@ class PrefixIndex:
 
     def _stored(self, worker: str, event: BlockStored) -> None:
         if event.kv_cache_spec_kind not in _FULL_ATTENTION:
+            return
+        if not 0 < event.block_size <= MAX_BLOCK_SIZE:
+            self.malformed += 1  # would poison every later match (block_size 0 divides)
             return
         if self.block_size is None:
             self.block_size = event.block_size

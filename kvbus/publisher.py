@@ -33,6 +33,8 @@ from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
 log = logging.getLogger("kvbus.publisher")
 
 DEFAULT_MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
+DEFAULT_MAX_QUEUE_BYTES: Final = 64 * 1024 * 1024
+_STRUCT_BYTES: Final = 256  # what a queued Struct payload is counted as (encoded later)
 
 # (seq, kind, payload, ts) as queued by publish(); a Struct payload is encoded by the
 # sender thread so that the engine thread pays nothing for it.
@@ -63,6 +65,7 @@ class Publisher:
         stream: stream name; default ``$KVBUS_STREAM``, else ``kv``.
         source: stable publisher id; default ``$KVBUS_SOURCE``, else ``hostname-pid``.
         max_queue: messages held while the backend is slow or down before dropping.
+        max_queue_bytes: payload bytes held likewise (64 MiB), whichever fills first.
         max_batch: most messages handed to the transport in one append.
         max_message_bytes: larger envelopes are dropped (and announced as lost).
         data_parallel_rank: recorded in the epoch's ``SourceStarted`` message.
@@ -76,6 +79,7 @@ class Publisher:
         stream: str | None = None,
         source: str | None = None,
         max_queue: int = 10_000,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         max_batch: int = 512,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         data_parallel_rank: int | None = None,
@@ -87,6 +91,11 @@ class Publisher:
         self.epoch = time.time_ns()
         self.stats = PublisherStats()
         self._max_queue = max_queue
+        self._max_queue_bytes = max_queue_bytes
+        # Queued bytes = in - out; each counter has one writer (the publishing thread,
+        # the sender thread), so neither needs a lock.
+        self._bytes_in = 0
+        self._bytes_out = 0
         self._max_batch = max_batch
         self._max_message_bytes = max_message_bytes
         self._seqs = itertools.count(1)
@@ -130,10 +139,16 @@ class Publisher:
         thread encodes the way vLLM does. Safe to call from any thread or event loop.
         """
         seq = next(self._seqs)
-        if self._closed or len(self._queue) >= self._max_queue:
+        size = len(payload) if isinstance(payload, bytes) else _STRUCT_BYTES
+        if (
+            self._closed
+            or len(self._queue) >= self._max_queue
+            or self._bytes_in + size - self._bytes_out > self._max_queue_bytes
+        ):
             self.stats.dropped += 1
             self._last_dropped = seq
             return False
+        self._bytes_in += size
         self._queue.append((seq, kind, payload, time.time()))
         self.stats.published += 1
         if self._idle:
@@ -228,6 +243,10 @@ class Publisher:
         queue = self._queue
         while queue and len(batch) < self._max_batch:
             batch.append(queue.popleft())
+        self._bytes_out += sum(
+            len(payload) if isinstance(payload, bytes) else _STRUCT_BYTES
+            for _, _, payload, _ in batch
+        )
         return batch
 
     async def _append(self, records: list[Record]) -> None:

@@ -242,3 +242,15 @@ def test_recorded_two_engines_hold_the_same_prefix() -> None:
         assert found["a"] >= shortest and found["b"] >= shortest
     index.clear("a")
     assert set(index.match(b_steps[-1]["tokens"])) == {"b"}
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 2**40])
+def test_an_event_with_an_impossible_block_size_is_skipped(block_size: int) -> None:
+    """block_size 0 in the first event used to become the index's block size: every
+    later match divided by zero, and the router answered 500 to every request."""
+    index = PrefixIndex()
+    forged = BlockStored([1, 2], None, PROMPT, block_size, None, "GPU", None)
+    index.apply(message("a", forged))
+    index.apply(message("a", stored([7, 8], PROMPT[: 2 * B])))
+    assert index.malformed == 1
+    assert index.match(PROMPT[: 2 * B]) == {"a": 2 * B}

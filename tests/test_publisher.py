@@ -183,3 +183,22 @@ async def test_passwords_stay_out_of_logs_and_repr(
         await publisher.aclose(0.5)
     assert "kvbus-user:***@" in caplog.text
     assert "s3cret" not in caplog.text
+
+
+def test_the_queue_is_bounded_in_bytes(memory_url: str) -> None:
+    """A stalled backend holds at most max_queue_bytes of payload, however few messages
+    that is (the 10k-message queue alone held 10k x whatever size)."""
+    transport = StalledTransport(memory_url, "stalled")
+    publisher = kvbus.Publisher(
+        memory_url, source="engine", max_queue_bytes=10 * 2**20, max_batch=1, transport=transport
+    )
+    megabyte = bytes(2**20)
+    results = [publisher.publish(megabyte) for _ in range(100)]
+    # About ten in the queue (SourceStarted counts too), and one in the sender's hands.
+    assert 9 <= results.count(True) <= 12
+    transport.released.set()
+    publisher.close()
+    items, _ = asyncio.run(collect(memory_url))
+    assert sum(isinstance(i, Message) and i.payload == megabyte for i in items) == results.count(
+        True
+    )

@@ -96,6 +96,8 @@ class NatsTransport(Transport):
         self._ready: set[str] = set()
         self._last_error = ""
         self._id_key = os.urandom(16)  # makes this publisher's message ids unguessable
+        self._connection_lost: asyncio.Future[None] | None = None
+        """Resolved when the connection drops: the acks in flight will never come."""
 
     async def _connect(self) -> JetStreamContext:
         if self._js is None:
@@ -124,6 +126,9 @@ class NatsTransport(Transport):
             log.warning("kvbus: nats %s: %s", self._display, redact_text(repr(error), self.servers))
 
     async def _on_disconnected(self) -> None:
+        lost, self._connection_lost = self._connection_lost, None
+        if lost is not None and not lost.done():
+            lost.set_result(None)
         if self._nc is not None and not (self._nc.is_closed or self._nc.is_draining):
             log.warning("kvbus: nats disconnected from %s; reconnecting", self._display)
 
@@ -163,8 +168,21 @@ class NatsTransport(Transport):
                     subject, pack.data, headers={"Nats-Msg-Id": self._msg_id(subject, pack.msg_id)}
                 )
             )
+        if self._connection_lost is None:
+            self._connection_lost = asyncio.get_running_loop().create_future()
+        acked = asyncio.ensure_future(asyncio.gather(*acks))
+        # A server killed with these in flight never acks them: fail as soon as the
+        # connection drops, not after the ack timeout, so the caller retries (dedup
+        # makes that safe) and nats-py sends the retry the moment it has reconnected.
+        waiting: list[asyncio.Future[Any]] = [acked, self._connection_lost]
+        done, _ = await asyncio.wait(waiting, timeout=self.timeout, return_when="FIRST_COMPLETED")
+        if acked not in done:
+            acked.cancel()
+            await asyncio.gather(acked, return_exceptions=True)
+            lost = "the connection dropped" if done else f"none in {self.timeout}s"
+            raise ConnectionError(f"nats: {len(acks)} acks pending, {lost}")
         try:
-            await asyncio.wait_for(asyncio.gather(*acks), self.timeout)
+            acked.result()
         except nats.js.errors.NoStreamResponseError:
             self._ready.discard(stream)  # the stream was deleted: create it again
             raise

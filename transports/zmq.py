@@ -19,7 +19,9 @@ What this fixes in vLLM's own ZMQ pattern:
 * high-water marks are set, the default bind is loopback, and the replay socket refuses
   to drop replies (``ROUTER_MANDATORY``): a slow replayer is paused, not truncated.
 
-What the publishing process holds is bounded in bytes whatever its peers do: packs are
+What the publishing process holds is bounded in bytes whatever its peers do: packs
+waiting for the sending thread are at most 16 MiB (older ones skip the live stream and
+are read from the ring), packs are
 at most 64 KiB (bar a single larger envelope), so a subscriber that never reads costs at
 most ``hwm`` packs (default 256: 16 MiB) before the live stream drops for it (it then
 refills from the ring); a replay request is checked before it is parsed and is at most
@@ -67,6 +69,7 @@ DEFAULT_TIMEOUT: Final = 2.0
 PACK_BYTES: Final = 64 * 1024
 _REPLAY_CHUNK: Final = 256  # packs sent per replay before serving others
 _MAX_REPLAYS: Final = 64
+_OUTBOX_BYTES: Final = 16 * 1024 * 1024  # appended, not yet sent live
 _MAX_REQUEST_BYTES: Final = 1024
 _MAX_OFFSET_DIGITS: Final = 20  # 2**64 - 1
 
@@ -179,6 +182,10 @@ class _Server:
         self._lock = threading.Lock()
         self._rings: dict[bytes, _Ring] = {}
         self._outbox: collections.deque[tuple[bytes, int, bytes]] = collections.deque()
+        self._outbox_bytes = 0
+        self.skipped_live = 0
+        """Packs never sent live because the sending thread fell behind (subscribers
+        see the hole in the ring offsets and read them from the ring)."""
         self._replays: dict[bytes, _Replay] = {}  # by peer, oldest first
         self.refused_requests = 0
         self._stopping = False
@@ -198,6 +205,10 @@ class _Server:
                 ring = self._rings[topic] = _Ring(self._ring_records, self._ring_bytes)
             for pack in packs:
                 self._outbox.append((topic, ring.add(pack), pack.data))
+                self._outbox_bytes += len(pack.data)
+            while self._outbox_bytes > _OUTBOX_BYTES and len(self._outbox) > 1:
+                self._outbox_bytes -= len(self._outbox.popleft()[2])
+                self.skipped_live += 1
         self._wake()
 
     def _wake(self) -> None:
@@ -225,9 +236,13 @@ class _Server:
                 if self._wake_r.fileno() in events:
                     with contextlib.suppress(BlockingIOError):
                         self._wake_r.recv(4096)
-                while self._outbox:
-                    topic, offset, data = self._outbox.popleft()
+                with self._lock:
+                    sending = list(self._outbox)
+                    self._outbox.clear()
+                    self._outbox_bytes = 0
+                for topic, offset, data in sending:
                     self._pub.send_multipart([topic, offset.to_bytes(8, "big"), data], copy=False)
+                del sending
                 if self._stopping:
                     return
                 if self._router in events:
