@@ -140,6 +140,12 @@ async def _bridge(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _compact(args: argparse.Namespace) -> int:
+    from kvbus.compact import compact
+
+    return await compact(args.url, args.stream, args.interval, follow=not args.once)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbus")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -176,6 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     bridge.add_argument("--to", dest="url", help="transport URL (default $KVBUS_URL)")
     bridge.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
 
+    compact = commands.add_parser(
+        "compact", help="fold the kv stream and store snapshots for late consumers"
+    )
+    compact.add_argument("--url", help="transport URL (default $KVBUS_URL, else memory://)")
+    compact.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
+    compact.add_argument(
+        "--interval", type=float, default=10.0, help="seconds between snapshots (default 10)"
+    )
+    compact.add_argument(
+        "--once", action="store_true", help="fold to the end of the stream, store, and stop"
+    )
+
     router = commands.add_parser(
         "router", help="the KV- and load-aware OpenAI-compatible router for vLLM servers"
     )
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    run = {"tail": _tail, "demo": _demo, "bridge": _bridge}[args.command]
+    run = {"tail": _tail, "demo": _demo, "bridge": _bridge, "compact": _compact}[args.command]
     try:
         return asyncio.run(run(args))
     except KeyboardInterrupt:

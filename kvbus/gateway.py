@@ -11,8 +11,9 @@ unchanged. ``x-kvbus-worker`` and ``x-kvbus-predicted-cached-tokens`` headers ar
     kvbus router --port 8000 --url nats://127.0.0.1:4222 \\
         --worker a=http://127.0.0.1:8001 --worker b=http://127.0.0.1:8002 --policy kv
 
-Ready at once after a start or restart: it replays the kv stream's retained history
-before it says ready (the index starts complete), and reads the last ``--stale-after``
+Ready at once after a start or restart: it reads the snapshots ``kvbus compact`` stored
+(if one runs) and replays the kv stream's retained history after them before it says
+ready (the index starts complete), and reads the last ``--stale-after``
 seconds of the metrics stream (each engine's latest load) instead of waiting for the next
 heartbeat. ``/health`` answers 200 only when ready: history replayed, recent load read,
 the served model's tokenizer loaded and some worker alive; 503 (with what is missing in
@@ -282,7 +283,7 @@ class RouterApp:
 
     async def _follow_kv(self) -> None:
         """The kv stream's history (until it ends, then ready), then its live tail."""
-        cursor = await self._read(self.kv_stream, None, False, self.router.apply_kv)
+        cursor = await self._read(self.kv_stream, None, False, self.router.apply_kv, snapshot=True)
         self.kv_replayed = True
         await self._read(self.kv_stream, cursor, True, self.router.apply_kv)
 
@@ -316,11 +317,15 @@ class RouterApp:
         follow: bool,
         apply: Callable[[Message | Resync], None],
         gap_timeout: float | None = None,
+        *,
+        snapshot: bool = False,
     ) -> kvbus.Cursor:
         """Apply ``stream`` from ``cursor`` (to its end, or for good with ``follow``),
         only configured workers' items; after a failure, resume where it stopped (so
         nothing is applied twice). Returns the cursor after the end."""
-        options: dict[str, Any] = {} if gap_timeout is None else {"gap_timeout": gap_timeout}
+        options: dict[str, Any] = {"snapshot": snapshot}
+        if gap_timeout is not None:
+            options["gap_timeout"] = gap_timeout
         while True:
             sub = kvbus.subscribe(stream, self.url, cursor=cursor, follow=follow, **options)
             try:

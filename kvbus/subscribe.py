@@ -62,6 +62,7 @@ from kvbus.events import (
 )
 from kvbus.logs import LimitedLog, shown
 from kvbus.retry import retry_forever
+from kvbus.snapshot import CURSOR_NAME, Snapshot, decode_snapshot
 from kvbus.transports import LATEST, Entry, Position, Transport, open_transport
 
 log = logging.getLogger("kvbus.subscribe")
@@ -159,6 +160,8 @@ class SubscriptionStats(msgspec.Struct):
     """Envelopes that claim a source other than the one the transport authenticated."""
     evicted_sources: int = 0
     """Sources forgotten because more than ``max_sources`` were tracked."""
+    snapshots: int = 0
+    """Snapshots delivered (``snapshot=True``)."""
     transport_errors: int = 0
 
 
@@ -216,6 +219,10 @@ class _SourceState:
     def lowest(self) -> int:
         return self.held_seqs[0]
 
+    def drop_held_through(self, seq: int) -> None:
+        while self.held_seqs and self.held_seqs[0] <= seq:
+            del self.held[heapq.heappop(self.held_seqs)]
+
     def drop_held(self) -> None:
         self.held.clear()
         self.held_seqs.clear()
@@ -248,6 +255,7 @@ class Subscription:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_sources: int = DEFAULT_MAX_SOURCES,
         max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
+        snapshot: bool = False,
         transport: Transport | None = None,
     ) -> None:
         self.url = resolve_url(url)
@@ -258,6 +266,7 @@ class Subscription:
         self._gap_timeout = gap_timeout
         self._max_message_bytes = max_message_bytes
         self._max_sources = max(1, max_sources)
+        self._snapshot = snapshot
         self._max_skew_ns = int(max_clock_skew * 1e9)
         self._transport = transport or open_transport(self.url)
         self._states: dict[str, _SourceState] = {}
@@ -294,6 +303,8 @@ class Subscription:
 
     async def __anext__(self) -> Item:
         if self._reader is None:
+            if self._snapshot and self._start is None:
+                await self._start_from_snapshots()
             self._reader = asyncio.create_task(self._read_live())
         while not self._ready:
             if self._ended:
@@ -635,8 +646,99 @@ class Subscription:
             if s.gap_deadline is not None and (force or s.gap_deadline <= now)
         ]
         await self._repair(expired)
+        if self._snapshot:
+            await self._substitute_snapshots([s for s in expired if s.held])
         for state in expired:
             self._declare_lost(state)
+
+    # --- snapshots (see kvbus.snapshot) -----------------------------------------------
+
+    async def _snapshots(self) -> dict[str, bytes]:
+        try:
+            return await self._transport.get_snapshots(self.stream)
+        except Exception as error:
+            self.stats.transport_errors += 1
+            log.warning("kvbus: reading the snapshots of %s failed: %r", self.stream, error)
+            return {}
+
+    def _open_snapshot(self, data: bytes) -> tuple[Snapshot, KVEventBatch] | None:
+        """A stored snapshot and its batch, if they are sound (else counted, skipped)."""
+        try:
+            snapshot = decode_snapshot(data)
+            batch, _ = decode_kv_batch(snapshot.payload)
+        except (msgspec.DecodeError, ValueError):
+            self.stats.malformed += 1
+            _limited.warning("snapshot", "kvbus: skipped a malformed snapshot of %s", self.stream)
+            return None
+        probe = Envelope(1, Kind.KV, snapshot.source, snapshot.epoch, snapshot.seq, 0.0, b"")
+        if self._implausible(probe) is not None:
+            self.stats.implausible += 1
+            return None
+        if self.sources is not None and snapshot.source not in self.sources:
+            return None
+        return snapshot, batch
+
+    def _deliver_snapshot(self, snapshot: Snapshot, batch: KVEventBatch) -> None:
+        message = Message(
+            snapshot.source,
+            snapshot.epoch,
+            snapshot.seq,
+            Kind.KV,
+            snapshot.ts,
+            batch,
+            snapshot.payload,
+            snapshot.position if snapshot.position is not None else "",
+        )
+        self.stats.snapshots += 1
+        self._ready.append((message, None, None))
+
+    async def _start_from_snapshots(self) -> None:
+        """Each source's snapshot first, then the stream from the compactor's cursor."""
+        stored = await self._snapshots()
+        cursor_data = stored.pop(CURSOR_NAME, None)
+        if cursor_data is None:
+            return  # no compactor has run: the whole retained history
+        try:
+            self._start = self._read_position = Cursor.from_bytes(cursor_data).position
+        except (msgspec.DecodeError, ValueError):
+            self.stats.malformed += 1
+            return
+        for data in stored.values():
+            opened = self._open_snapshot(data)
+            if opened is None:
+                continue
+            snapshot, batch = opened
+            self._states[snapshot.source] = _SourceState(
+                snapshot.source, snapshot.epoch, snapshot.seq, snapshot.position, -1
+            )
+            self._deliver_snapshot(snapshot, batch)
+
+    async def _substitute_snapshots(self, states: list[_SourceState]) -> None:
+        """A source about to be declared JOINED or GAP whose stored snapshot covers the
+        missing seqs: Resync with nothing lost, its snapshot, then what follows it."""
+        if not states:
+            return
+        stored = await self._snapshots()
+        found: dict[str, tuple[Snapshot, KVEventBatch]] = {}
+        for name, data in stored.items():
+            opened = self._open_snapshot(data) if name != CURSOR_NAME else None
+            if opened is not None:
+                found[opened[0].source] = opened
+        for state in states:
+            opened = found.get(state.name)
+            if opened is None:
+                continue
+            snapshot, batch = opened
+            if snapshot.epoch != state.epoch or not state.seq < state.lowest() - 1 <= snapshot.seq:
+                continue
+            self._close_gap(state)
+            reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
+            self._ready.append((Resync(state.name, state.epoch, reason), None, None))
+            self.stats.resyncs += 1
+            state.seq, state.position = snapshot.seq, snapshot.position
+            state.drop_held_through(snapshot.seq)
+            self._deliver_snapshot(snapshot, batch)
+            self._release(state)
 
     def _declare_lost(self, state: _SourceState) -> None:
         """Give up on the seqs missing before the held messages: Resync, then deliver."""
@@ -719,7 +821,11 @@ def subscribe(
     (seconds to wait for missing seqs before declaring them lost; 0 declares them lost
     at once without searching history, for streams of state records such as metrics,
     where only the newest counts),
-    ``max_message_bytes``, ``transport``.
+    ``max_message_bytes``, ``max_sources``, ``max_clock_skew``, ``transport``, and
+    ``snapshot``: with no ``cursor``, start from the snapshots a `kvbus.compact.Compactor`
+    stored (each source's state as one batch of events, then the stream after them), and
+    when a source would be declared JOINED or GAP while its stored snapshot covers what is
+    missing, yield a Resync with nothing lost and that snapshot instead.
 
     Use as ``async for item in kvbus.subscribe(...)``: each item is a `Message` or a
     `Resync`.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import pytest
 import kvbus
 from kvbus.cli import main
 
-from .conftest import envelope
+from .conftest import envelope, kv_payload
+from .servers import RedisServer
 
 
 def test_import_kvbus_pulls_in_no_backend_or_engine() -> None:
@@ -107,3 +109,36 @@ def test_bridge_command_forwards_a_stock_publisher(tmp_path: Path) -> None:
         bridge.terminate()
         bridge.wait(10)
         stock.shutdown()
+
+
+def test_compact_stores_snapshots_a_late_consumer_starts_from(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvbus compact --once`` on a real Redis, then a consumer with snapshot=True."""
+    url = f"{redis_server.url}?maxlen=5"
+    with kvbus.Publisher(url, stream="compacted", source="engine", max_batch=1) as publisher:
+        publisher.publish(kv_payload(1, blocks=4))
+        assert publisher.flush()
+        assert main(["compact", "--url", url, "--stream", "compacted", "--once"]) == 0
+        for i in range(10):  # enough to trim the first batch away
+            publisher.publish(kv_payload(100 + i))
+            assert publisher.flush()
+        assert main(["compact", "--url", url, "--stream", "compacted", "--once"]) == 0
+    assert "snapshots written" in capsys.readouterr().out
+
+    async def read() -> list[kvbus.Message | kvbus.Resync]:
+        sub = kvbus.subscribe("compacted", url, follow=False, snapshot=True)
+        return [item async for item in sub]
+
+    items = asyncio.run(read())
+    assert not [i for i in items if isinstance(i, kvbus.Resync)]
+    first = items[0]
+    assert isinstance(first, kvbus.Message) and isinstance(first.body, kvbus.KVEventBatch)
+    stored = [
+        h for e in first.body.events if isinstance(e, kvbus.BlockStored) for h in e.block_hashes
+    ]
+    assert stored[:4] == [1, 2, 3, 4]  # the trimmed first batch, from the snapshot
+
+
+def test_compact_on_zmq_says_it_keeps_no_snapshots() -> None:
+    assert main(["compact", "--url", "zmq://127.0.0.1:1", "--once"]) == 2

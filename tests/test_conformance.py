@@ -4,14 +4,25 @@ nats:// and redis://, the last two against real servers started by fixtures)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from typing import Any
 
 import msgspec
 from kvbus.transports import Record, open_transport
 
 import kvbus
 from kvbus import Message, Resync, ResyncReason
-from kvbus.events import BlockStored, KVEventBatch, SourceStarted, encode
+from kvbus.compact import Compactor
+from kvbus.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    SourceStarted,
+    encode,
+)
+from kvbus.index import PrefixIndex
 
 from .conftest import Bus, Item, envelope, kv_payload, last_seq_is, read_until, seqs
 
@@ -336,4 +347,71 @@ async def test_hostile_messages_are_skipped_and_lose_nothing(bus: Bus) -> None:
     resyncs = [i for i in items if isinstance(i, Resync)]
     assert resyncs == [Resync("engine-a", publisher.epoch, ResyncReason.MALFORMED, (3, 3))]
     assert (sub.stats.malformed, sub.stats.implausible) == (2, 2)
+    publisher.close()
+
+
+def cache_workload(steps: int, seed: int) -> list[KVEventBatch]:
+    """Batches as an engine's prefix cache makes them: chains grown from cached blocks,
+    second copies of a cached block (its parent cached), evictions that leave a cached
+    child of an evicted parent, and one clear."""
+    rng = random.Random(seed)
+    held: dict[int, tuple[int | None, list[int], int]] = {}  # hash -> parent, tokens, copies
+    next_hash = iter(range(1, 1 << 30))
+    batches = []
+    for step in range(steps):
+        events: list[Any] = []
+        roll = rng.random()
+        copyable = [h for h, (p, _, _) in held.items() if p is None or p in held]
+        if roll < 0.55 or not held:
+            parent = rng.choice([None, *held]) if held else None
+            hashes = [next(next_hash) for _ in range(rng.randint(1, 3))]
+            tokens = [rng.randrange(3, 1000) for _ in range(4 * len(hashes))]
+            events.append(BlockStored(hashes, parent, tokens, 4, None, "GPU", None))
+            for i, h in enumerate(hashes):
+                held[h] = (parent if i == 0 else hashes[i - 1], tokens[4 * i : 4 * i + 4], 1)
+        elif roll < 0.7 and copyable:  # a second copy of a cached block
+            h = rng.choice(copyable)
+            parent, tokens, copies = held[h]
+            events.append(BlockStored([h], parent, tokens, 4, None, "GPU", None))
+            held[h] = (parent, tokens, copies + 1)
+        elif roll < 0.995:
+            h = rng.choice(list(held))
+            events.append(BlockRemoved([h], "GPU"))
+            parent, tokens, copies = held.pop(h)
+            if copies > 1:
+                held[h] = (parent, tokens, copies - 1)
+        elif step > steps // 2:
+            events.append(AllBlocksCleared())
+            held.clear()
+        batches.append(KVEventBatch(float(step), events))
+    return batches
+
+
+async def test_a_consumer_after_trimmed_history_rebuilds_exact_state(bus: Bus) -> None:
+    """A compactor follows the stream; retention keeps only the last 30 entries; a
+    consumer that starts afterwards gets, from the snapshots and the retained tail,
+    exactly the state of one that saw everything."""
+    if bus.scheme == "zmq":
+        assert await open_transport(bus.base).get_snapshots(bus.stream) == {}
+        return  # the publishing process keeps no snapshots (documented)
+    url = bus.url(**{bus.retention: 30})
+    publisher = bus.publisher("engine-a", url=url, max_batch=1)
+    truth = PrefixIndex()
+    compactor = Compactor(url, bus.stream)
+    for n, batch in enumerate(cache_workload(400, seed=3)):
+        publisher.publish(encode(batch))
+        truth.apply_events("engine-a", batch.events)
+        assert publisher.flush()  # one stored entry per batch: retention trims by batch
+        if n % 20 == 19:
+            await compactor.run(follow=False)  # resumes from its own snapshots
+    full = [item async for item in bus.subscribe(url, follow=False)]
+    assert isinstance(full[0], Resync)  # the history is trimmed: JOINED without them
+    consumer = PrefixIndex()
+    items, sub = await history(bus, url=url, snapshot=True)
+    for item in items:
+        consumer.apply(item)
+    assert not [i for i in items if isinstance(i, Resync)]
+    assert sub.stats.snapshots == 1
+    assert consumer.blocks("engine-a") == truth.blocks("engine-a")
+    assert consumer.copies("engine-a") == truth.copies("engine-a") > 20
     publisher.close()

@@ -13,7 +13,8 @@ from kvbus.transports import Record
 from kvbus.transports.memory import MemoryTransport
 
 import kvbus
-from kvbus import LossNotice, Message, Resync, ResyncReason
+from kvbus import BlockStored, KVEventBatch, LossNotice, Message, Resync, ResyncReason
+from kvbus.events import encode
 
 from .conftest import collect, kv_payload, lost_seqs
 from .servers import free_port
@@ -192,7 +193,8 @@ def test_the_queue_is_bounded_in_bytes(memory_url: str) -> None:
     publisher = kvbus.Publisher(
         memory_url, source="engine", max_queue_bytes=10 * 2**20, max_batch=1, transport=transport
     )
-    megabyte = bytes(2**20)
+    block = BlockStored([1], None, [5] * (2**20 - 64), 16, None, "GPU", None)
+    megabyte = encode(KVEventBatch(0.0, [block]))  # a 1 MiB batch
     results = [publisher.publish(megabyte) for _ in range(100)]
     # About ten in the queue (SourceStarted counts too), and one in the sender's hands.
     assert 9 <= results.count(True) <= 12

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -410,4 +411,41 @@ async def test_bridge_from_stock_vllm(llm: Any, bus: Bus) -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         stock.shutdown()
+        sched.kv_event_publisher = plugin_publisher
+
+
+async def test_a_consumer_after_trimmed_history_equals_the_block_pool(llm: Any) -> None:
+    """kvbus compact follows the engine's stream; the bus keeps only its last 8 batches;
+    a consumer that starts afterwards rebuilds, from the snapshots and the retained tail,
+    exactly the engine's block pool (without them it gets a JOINED resync and a part)."""
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+
+    from kvbus.compact import Compactor
+
+    sched = scheduler(llm)
+    plugin_publisher = sched.kv_event_publisher
+    url = f"memory://trimmed-{time.monotonic_ns()}?maxlen=8"
+    sched.kv_event_publisher = KvbusEventPublisher(0, url=url, stream="kv")
+    compactor = Compactor(url, "kv")
+    try:
+        llm.reset_prefix_cache()
+        for round_ in range(3):
+            for prompts in (workload(seed=10 + round_)[i : i + 4] for i in range(0, 24, 4)):
+                generate(llm, prompts)  # a few engine steps: fewer than the bus keeps
+                assert await sched.kv_event_publisher.publisher.aflush()
+                await compactor.run(follow=False)
+        blind, late = PrefixState(), PrefixState()
+        async for item in kvbus.subscribe("kv", url, follow=False):
+            blind.apply(item)
+            blind.seen.append(item)
+        assert isinstance(blind.seen[0], Resync)  # the history is trimmed
+        async for item in kvbus.subscribe("kv", url, follow=False, snapshot=True):
+            late.apply(item)
+            late.seen.append(item)
+        assert not [i for i in late.seen if isinstance(i, Resync)]
+        assert set(late.prefix_of) == engine_cached_blocks(llm)
+        late.check_index(engine_cached_blocks(llm))
+        assert set(blind.prefix_of) != engine_cached_blocks(llm)
+    finally:
+        sched.kv_event_publisher.shutdown()
         sched.kv_event_publisher = plugin_publisher

@@ -92,6 +92,15 @@ class Transport(abc.ABC):
         that, not the whole retained history."""
         return None
 
+    async def put_snapshot(self, stream: str, name: str, data: bytes) -> None:
+        """Store ``data`` as the snapshot ``name`` of ``stream``, replacing the last one
+        (see `kvbus.snapshot`); a backend that keeps none raises NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no snapshots")
+
+    async def get_snapshots(self, stream: str) -> dict[str, bytes]:
+        """Every stored snapshot of ``stream`` by name; {} when none are kept."""
+        return {}
+
     async def aclose(self) -> None:  # noqa: B027 - optional for backends with no resources
         """Release connections; the transport is not used afterwards."""
 

@@ -35,6 +35,7 @@ class _Stream:
         self.times: deque[float] = deque(maxlen=maxlen)
         """when each retained entry was appended (wall clock), for `position_at`"""
         self.last_position = 0
+        self.snapshots: dict[str, bytes] = {}
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     def append(self, records: Sequence[Record]) -> None:
@@ -110,6 +111,16 @@ class MemoryTransport(Transport):
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:
         self._stream(stream).append(records)
+
+    async def put_snapshot(self, stream: str, name: str, data: bytes) -> None:
+        log = self._stream(stream)
+        with log.lock:
+            log.snapshots[name] = data
+
+    async def get_snapshots(self, stream: str) -> dict[str, bytes]:
+        log = self._stream(stream)
+        with log.lock:
+            return dict(log.snapshots)
 
     async def position_at(self, stream: str, wall_time: float) -> Position | None:
         return self._stream(stream).position_at(wall_time)

@@ -211,6 +211,29 @@ class NatsTransport(Transport):
         async for entry in self._read_ordered(js, name, stream, start, skip, end, follow):
             yield entry
 
+    async def _snapshot_store(self, stream: str) -> Any:
+        js = await self._connect()
+        bucket = f"KVBUS_SNAP_{stream}"
+        try:
+            return await js.object_store(bucket)
+        except nats.js.errors.NotFoundError:
+            return await js.create_object_store(bucket)
+
+    async def put_snapshot(self, stream: str, name: str, data: bytes) -> None:
+        store = await self._snapshot_store(stream)
+        await store.put(_subject_token(name), data)
+
+    async def get_snapshots(self, stream: str) -> dict[str, bytes]:
+        store = await self._snapshot_store(stream)
+        try:
+            infos = await store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return {}
+        found = {}
+        for info in infos:
+            found[unquote(info.name)] = (await store.get(info.name)).data or b""
+        return found
+
     async def position_at(self, stream: str, wall_time: float) -> Position | None:
         """From the first stored message at or after ``wall_time`` (the server's
         clock), found by a consumer that starts there."""

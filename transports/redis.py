@@ -136,6 +136,14 @@ class RedisTransport(Transport):
         # millisecond before ``wall_time`` (the server's clock, not ours).
         return f"{max(0, int(wall_time * 1000) - 1)}-{_MAX_SEQ}/0"
 
+    async def put_snapshot(self, stream: str, name: str, data: bytes) -> None:
+        await self._client.hset(f"{_key(stream)}:snapshots", name, data)
+
+    async def get_snapshots(self, stream: str) -> dict[str, bytes]:
+        client: Any = self._client
+        stored = await client.hgetall(f"{_key(stream)}:snapshots")
+        return {name.decode(): data for name, data in stored.items()}
+
     async def _check_trimmed(self, key: str, last: bytes) -> None:
         """Warn when entries after ``last`` were trimmed before this read got them."""
         try:

@@ -1,0 +1,109 @@
+"""``kvbus compact``: fold the kv stream and store its snapshots (see `kvbus.snapshot`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Final
+
+from kvbus.config import resolve_stream, resolve_url
+from kvbus.events import KVEventBatch, SourceStarted, encode
+from kvbus.snapshot import CURSOR_NAME, Snapshot, SourceFold, encode_snapshot
+from kvbus.subscribe import Cursor, Message, Resync, ResyncReason, subscribe
+from kvbus.transports import Transport, open_transport
+
+log = logging.getLogger("kvbus.compact")
+
+DEFAULT_INTERVAL: Final = 10.0
+
+
+class Compactor:
+    """Folds the kv stream of ``url`` and stores its snapshots every ``interval`` s."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        stream: str | None = None,
+        interval: float = DEFAULT_INTERVAL,
+        transport: Transport | None = None,
+    ) -> None:
+        self.url = resolve_url(url)
+        self.stream = resolve_stream(stream)
+        self.interval = interval
+        self._transport = transport or open_transport(self.url)
+        self.folds: dict[str, SourceFold] = {}
+        self._inexact: set[str] = set()  # folds a gap made wrong, until the next epoch
+        self._changed: set[str] = set()
+        self.written = 0
+
+    def apply(self, item: Message | Resync) -> None:
+        source = item.source
+        if isinstance(item, Resync):
+            self.folds[source] = SourceFold()
+            if item.reason is ResyncReason.NEW_EPOCH:
+                self._inexact.discard(source)
+            else:  # what the lost seqs did is unknown: no snapshot until a new epoch
+                self._inexact.add(source)
+            self._changed.add(source)
+            return
+        fold = self.folds.setdefault(source, SourceFold())
+        if isinstance(item.body, KVEventBatch):
+            fold.apply(item.body.events)
+        elif isinstance(item.body, SourceStarted):
+            self.folds[source] = SourceFold()
+            self._inexact.discard(source)
+        else:
+            return
+        self._changed.add(source)
+
+    async def run(self, *, follow: bool = True) -> None:
+        """Fold the stream (from the stored snapshots, if any) and store snapshots every
+        ``interval`` seconds and at the end; with ``follow=False``, until the end of
+        the stream."""
+        if type(self._transport).put_snapshot is Transport.put_snapshot:
+            raise NotImplementedError(f"{self.url.partition(':')[0]}:// keeps no snapshots")
+        self.folds.clear()  # the snapshots the subscription starts from rebuild them
+        sub = subscribe(
+            self.stream, self.url, snapshot=True, follow=follow, transport=self._transport
+        )
+        next_write = time.monotonic() + self.interval
+        try:
+            async for item in sub:
+                self.apply(item)
+                if time.monotonic() >= next_write:
+                    await self.write(sub.cursor)
+                    next_write = time.monotonic() + self.interval
+            await self.write(sub.cursor)
+        finally:
+            await sub.aclose()
+
+    async def write(self, cursor: Cursor) -> None:
+        """Store the snapshots of the sources that changed, then the cursor."""
+        changed, self._changed = self._changed, set()
+        for source in sorted(changed):
+            at = cursor.sources.get(source)
+            if source in self._inexact or at is None:
+                continue
+            batch = KVEventBatch(time.time(), self.folds[source].events())
+            snapshot = Snapshot(source, at.epoch, at.seq, at.position, time.time(), encode(batch))
+            await self._transport.put_snapshot(self.stream, source, encode_snapshot(snapshot))
+            self.written += 1
+        await self._transport.put_snapshot(self.stream, CURSOR_NAME, cursor.to_bytes())
+
+
+async def compact(url: str | None, stream: str | None, interval: float, follow: bool) -> int:
+    """``kvbus compact``: run a compactor until interrupted (or the stream's end)."""
+    compactor = Compactor(url, stream, interval)
+    try:
+        await compactor.run(follow=follow)
+    except NotImplementedError as error:
+        log.error("kvbus compact: %s", error)
+        return 2
+    except asyncio.CancelledError:
+        pass
+    print(f"kvbus compact: {compactor.written} snapshots written")
+    return 0
+
+
+__all__ = ["Compactor", "compact"]

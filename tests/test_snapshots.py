@@ -1,0 +1,70 @@
+"""Snapshots (kvbus.snapshot, kvbus.compact): the fold, and a consumer whose cursor
+points into trimmed history getting exact state back. Every transport's store, and a
+late consumer, are in test_conformance.py; a real engine in test_vllm_events.py."""
+
+from __future__ import annotations
+
+import kvbus
+from kvbus import BlockRemoved, BlockStored, Resync, ResyncReason
+from kvbus.compact import Compactor
+from kvbus.events import encode
+from kvbus.index import PrefixIndex
+from kvbus.snapshot import SourceFold
+
+from .test_conformance import cache_workload
+
+
+def stored(hashes: list[int], parent: int | None) -> BlockStored:
+    return BlockStored(hashes, parent, list(range(4 * len(hashes))), 4, None, "GPU", None)
+
+
+def test_a_cached_child_of_an_evicted_parent_still_chains() -> None:
+    """vLLM can evict a parent and keep its child: the snapshot stores and removes the
+    parent before the child, so a fresh index chains the child as the live one did."""
+    fold = SourceFold()
+    live = PrefixIndex()
+    events = [stored([1, 2, 3], None), BlockRemoved([2], "GPU")]
+    fold.apply(events)
+    live.apply_events("a", events)
+    rebuilt = PrefixIndex()
+    rebuilt.apply_events("a", fold.events())
+    assert rebuilt.blocks("a") == live.blocks("a") == {1, 3}
+    assert rebuilt.unchained == live.unchained == 0
+
+
+def test_forged_parent_cycles_end() -> None:
+    fold = SourceFold()
+    fold.apply([stored([1], 2), stored([2], 1)])  # each names the other as its parent
+    assert sorted(h for e in fold.events() for h in e.block_hashes) == [1, 2]
+
+
+async def test_a_cursor_into_trimmed_history_gets_the_newer_snapshot(memory_url: str) -> None:
+    url = f"{memory_url}?maxlen=30"
+    publisher = kvbus.Publisher(url, source="engine-a", max_batch=1)
+    truth = PrefixIndex()
+    batches = cache_workload(300, seed=5)
+    for batch in batches[:10]:
+        publisher.publish(encode(batch))
+        truth.apply_events("engine-a", batch.events)
+    assert publisher.flush()
+    early = kvbus.subscribe(url=url, follow=False)
+    consumer = PrefixIndex()
+    async for item in early:
+        consumer.apply(item)
+    cursor = early.cursor
+    compactor = Compactor(url)  # from the start: one that joins later cannot know the state
+    await compactor.run(follow=False)
+    for n, batch in enumerate(batches[10:]):
+        publisher.publish(encode(batch))
+        truth.apply_events("engine-a", batch.events)
+        assert publisher.flush()
+        if n % 20 == 19:
+            await compactor.run(follow=False)
+    items = [i async for i in kvbus.subscribe(url=url, cursor=cursor, follow=False, snapshot=True)]
+    resyncs = [i for i in items if isinstance(i, Resync)]
+    assert resyncs == [Resync("engine-a", publisher.epoch, ResyncReason.GAP)]  # none lost
+    for item in items:
+        consumer.apply(item)
+    assert consumer.blocks("engine-a") == truth.blocks("engine-a")
+    assert consumer.copies("engine-a") == truth.copies("engine-a")
+    publisher.close()
