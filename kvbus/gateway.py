@@ -70,6 +70,7 @@ _HOP_BY_HOP: Final = {
 _TOKEN_BUCKETS: Final = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ERROR_BUCKETS: Final = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 _TOKEN_LIMIT: Final = 2**32  # vLLM's token ids are unsigned 32-bit
+_QUICK: Final = aiohttp.ClientTimeout(total=5)  # a model list, not a generation
 _LOAD_ONLY: Final[tuple[list[int], None]] = ([], None)  # routed by load alone
 
 
@@ -358,7 +359,7 @@ class RouterApp:
         while True:
             for base in self.workers.values():
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                    async with self.session.get(f"{base}/v1/models") as response:
+                    async with self.session.get(f"{base}/v1/models", timeout=_QUICK) as response:
                         cards = (await response.json())["data"]
                     self.models = {c["id"] for c in cards}
                     self.loras = {c["id"] for c in cards if c.get("parent")}
@@ -538,7 +539,7 @@ class RouterApp:
             if base is None:
                 continue
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with self.session.get(f"{base}/v1/models") as upstream:
+                async with self.session.get(f"{base}/v1/models", timeout=_QUICK) as upstream:
                     return web.Response(
                         body=await upstream.read(),
                         status=upstream.status,
