@@ -62,7 +62,9 @@ class Compactor:
         ``interval`` seconds and at the end; with ``follow=False``, until the end of
         the stream."""
         if type(self._transport).put_snapshot is Transport.put_snapshot:
-            raise NotImplementedError(f"{self.url.partition(':')[0]}:// keeps no snapshots")
+            scheme = self.url.partition(":")[0]
+            served = " (a zmq:// publisher serves its own)" if scheme == "zmq" else ""
+            raise NotImplementedError(f"{scheme}:// keeps no snapshots{served}")
         self.folds.clear()  # the snapshots the subscription starts from rebuild them
         sub = subscribe(
             self.stream, self.url, snapshot=True, follow=follow, transport=self._transport

@@ -24,14 +24,25 @@ zmq:// has no store (a compactor there says so and stops).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, Final
 
 import msgspec
 
-from kvbus.envelope import nesting_is_malformed
-from kvbus.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvbus.envelope import Kind, decode_envelope, nesting_is_malformed
+from kvbus.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    SourceStarted,
+    decode_control,
+    decode_kv_batch,
+    encode,
+)
 
 CURSOR_NAME: Final = "_cursor"
 _MIN_REMEMBERED: Final = 1024
@@ -66,13 +77,15 @@ BlockKey = tuple[int | bytes, str | None, int | None]
 
 
 class SourceFold:
-    """One source's cache as its events leave it: each cached block's own event and how
-    many copies of it are cached, and the events of blocks evicted recently (a cached
-    child may still name one as its parent)."""
+    """One source's cache as its events leave it: for each cached block, the event that
+    stored it (and its place in it) and how many copies are cached; the same for blocks
+    evicted recently (a cached child may still name one as its parent). No per-block
+    object is made until a snapshot is taken: folding costs a tuple per block."""
 
     def __init__(self) -> None:
-        self.held: dict[BlockKey, tuple[BlockStored, int]] = {}
-        self.evicted: OrderedDict[BlockKey, BlockStored] = OrderedDict()
+        self.held: dict[BlockKey, tuple[BlockStored, int, int]] = {}
+        """key -> (event, index of the block in it, copies cached)"""
+        self.evicted: OrderedDict[BlockKey, tuple[BlockStored, int]] = OrderedDict()
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for event in events:
@@ -86,39 +99,32 @@ class SourceFold:
                 self.evicted.clear()
 
     def _stored(self, event: BlockStored) -> None:
-        size = event.block_size
-        if size < 1:
+        if event.block_size < 1:
             return
-        parent = event.parent_block_hash
+        held, evicted, medium, group = self.held, self.evicted, event.medium, event.group_idx
         for i, block_hash in enumerate(event.block_hashes):
-            key = (block_hash, event.medium, event.group_idx)
-            one = msgspec.structs.replace(
-                event,
-                block_hashes=[block_hash],
-                parent_block_hash=parent,
-                token_ids=event.token_ids[i * size : (i + 1) * size],
-                extra_keys=[event.extra_keys[i]] if event.extra_keys else event.extra_keys,
-                lookahead_token_ids=[event.lookahead_token_ids[i]]
-                if event.lookahead_token_ids
-                else event.lookahead_token_ids,
-            )
-            _, copies = self.held.get(key, (one, 0))
-            self.held[key] = (one, copies + 1)
-            self.evicted.pop(key, None)
-            parent = block_hash
+            key = (block_hash, medium, group)
+            found = held.get(key)
+            held[key] = (event, i, found[2] + 1 if found is not None else 1)
+            if evicted:
+                evicted.pop(key, None)
 
     def _removed(self, key: BlockKey) -> None:
         found = self.held.get(key)
         if found is None:
             return
-        event, copies = found
+        event, index, copies = found
         if copies > 1:
-            self.held[key] = (event, copies - 1)
+            self.held[key] = (event, index, copies - 1)
             return
         del self.held[key]
-        self.evicted[key] = event
+        self.evicted[key] = (event, index)
         while len(self.evicted) > max(_MIN_REMEMBERED, len(self.held)):
             self.evicted.popitem(last=False)
+
+    def _stored_by(self, key: BlockKey) -> tuple[BlockStored, int]:
+        found = self.held.get(key)
+        return (found[0], found[1]) if found is not None else self.evicted[key]
 
     def events(self) -> list[KVEvent]:
         """Events that rebuild this state from nothing: every cached block, parents
@@ -141,21 +147,37 @@ class SourceFold:
             while at is not None and at not in emitted and at not in on_chain:
                 chain.append(at)
                 on_chain.add(at)
-                event = self.held[at][0] if at in self.held else self.evicted[at]
-                parent = event.parent_block_hash
+                event, index = self._stored_by(at)
+                parent = event.block_hashes[index - 1] if index else event.parent_block_hash
                 at = None if parent is None else by_hash.get((parent, at[2]))
             for link in reversed(chain):
                 emitted.add(link)
+                event, index = self._stored_by(link)
+                one = _one_block(event, index)
                 if link in self.held:
-                    event, copies = self.held[link]
-                    out.extend([event] * copies)
+                    out.extend([one] * self.held[link][2])
                 else:
-                    out.append(self.evicted[link])
+                    out.append(one)
                     ghosts.append(link)
         out = _merge_chains(out)
         for (medium, group), keys in itertools.groupby(ghosts, key=lambda k: (k[1], k[2])):
             out.append(BlockRemoved([k[0] for k in keys], medium, group))
         return out
+
+
+def _one_block(event: BlockStored, i: int) -> BlockStored:
+    """Block ``i`` of ``event`` as an event of its own."""
+    size = event.block_size
+    return msgspec.structs.replace(
+        event,
+        block_hashes=[event.block_hashes[i]],
+        parent_block_hash=event.block_hashes[i - 1] if i else event.parent_block_hash,
+        token_ids=event.token_ids[i * size : (i + 1) * size],
+        extra_keys=[event.extra_keys[i]] if event.extra_keys else event.extra_keys,
+        lookahead_token_ids=[event.lookahead_token_ids[i]]
+        if event.lookahead_token_ids
+        else event.lookahead_token_ids,
+    )
 
 
 def _merge_chains(events: list[KVEvent]) -> list[KVEvent]:
@@ -209,8 +231,67 @@ def _joined(parts: list[Any]) -> Any:
     return [item for p in parts for item in (p if p is not None else [None])]
 
 
+class _Published:
+    __slots__ = ("epoch", "exact", "fold", "position", "seq")
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.seq = 0
+        self.position: int | str | None = None
+        self.fold = SourceFold()
+        self.exact = True
+
+
+class PublishedFolds:
+    """Snapshots of what one process publishes on one stream, for a transport with no
+    server to keep them (zmq://): the publishing process folds its own kv envelopes as it
+    appends them (one decode per batch, in the sender's thread, never the engine's) and
+    serves the result. Its own stream has no gaps; a batch it dropped (``lost_from``)
+    makes that source inexact, and unserved, until its next epoch."""
+
+    def __init__(self) -> None:
+        self._sources: dict[str, _Published] = {}
+        self._position: int | str | None = None
+
+    def add(self, position: int | str, data: bytes) -> None:
+        self._position = position
+        try:
+            envelope = decode_envelope(data)
+            if envelope.kind == Kind.CONTROL:
+                body: object = decode_control(envelope.payload)
+            elif envelope.kind == Kind.KV:
+                body, _ = decode_kv_batch(envelope.payload)
+            else:
+                return
+        except (msgspec.DecodeError, ValueError):
+            return  # its own bytes: only a newer kvbus writes what this one cannot read
+        state = self._sources.get(envelope.source)
+        if state is None or envelope.epoch != state.epoch or isinstance(body, SourceStarted):
+            state = self._sources[envelope.source] = _Published(envelope.epoch)
+            state.exact = isinstance(body, SourceStarted) or envelope.seq == 1
+        if envelope.lost_from:
+            state.exact = False
+        state.seq, state.position = envelope.seq, position
+        if isinstance(body, KVEventBatch):
+            state.fold.apply(body.events)
+
+    def snapshots(self) -> dict[str, bytes]:
+        """Every exact source's snapshot, and the cursor (``_cursor``) they stand for."""
+        now = time.time()
+        found = {}
+        for source, state in self._sources.items():
+            if state.exact:
+                batch = encode(KVEventBatch(now, state.fold.events()))
+                snapshot = Snapshot(source, state.epoch, state.seq, state.position, now, batch)
+                found[source] = encode_snapshot(snapshot)
+        sources = {s: [p.epoch, p.seq, p.position] for s, p in self._sources.items()}
+        found[CURSOR_NAME] = msgspec.json.encode({"position": self._position, "sources": sources})
+        return found
+
+
 __all__ = [
     "CURSOR_NAME",
+    "PublishedFolds",
     "Snapshot",
     "SourceFold",
     "decode_snapshot",

@@ -388,13 +388,11 @@ def cache_workload(steps: int, seed: int) -> list[KVEventBatch]:
 
 
 async def test_a_consumer_after_trimmed_history_rebuilds_exact_state(bus: Bus) -> None:
-    """A compactor follows the stream; retention keeps only the last 30 entries; a
-    consumer that starts afterwards gets, from the snapshots and the retained tail,
-    exactly the state of one that saw everything."""
-    if bus.scheme == "zmq":
-        assert await open_transport(bus.base).get_snapshots(bus.stream) == {}
-        return  # the publishing process keeps no snapshots (documented)
-    url = bus.url(**{bus.retention: 30})
+    """A compactor follows the stream (zmq: the publishing process folds what it
+    publishes); retention keeps only the last 30 entries; a consumer that starts
+    afterwards gets, from the snapshots and the retained tail, exactly the state of one
+    that saw everything."""
+    url = bus.url(**{bus.retention: 30, **({"snapshots": 1} if bus.scheme == "zmq" else {})})
     publisher = bus.publisher("engine-a", url=url, max_batch=1)
     truth = PrefixIndex()
     compactor = Compactor(url, bus.stream)
@@ -402,7 +400,7 @@ async def test_a_consumer_after_trimmed_history_rebuilds_exact_state(bus: Bus) -
         publisher.publish(encode(batch))
         truth.apply_events("engine-a", batch.events)
         assert publisher.flush()  # one stored entry per batch: retention trims by batch
-        if n % 20 == 19:
+        if n % 20 == 19 and bus.scheme != "zmq":  # a zmq publisher serves its own
             await compactor.run(follow=False)  # resumes from its own snapshots
     full = [item async for item in bus.subscribe(url, follow=False)]
     assert isinstance(full[0], Resync)  # the history is trimmed: JOINED without them

@@ -1,4 +1,6 @@
-"""``zmq://[HOST:PORT][,HOST:PORT...][?ring=N&ring_bytes=B&hwm=N&timeout=S]``: ZeroMQ, no server.
+"""``zmq://[HOST:PORT][,HOST:PORT...][?ring=N&ring_bytes=B&hwm=N&timeout=S&snapshots=1]``.
+
+ZeroMQ, no server.
 
 The publishing process binds HOST:PORT (default ``127.0.0.1:5590``; ``*`` binds every
 interface) with a PUB socket for the live stream, and PORT+1 with a ROUTER that replays
@@ -29,6 +31,12 @@ refills from the ring); a replay request is checked before it is parsed and is a
 subscriber waits for one answer at a time), and at most 64 run at once, the oldest
 giving way.
 
+With ``snapshots=1`` the publishing process also folds the kv batches it publishes (see
+`kvbus.snapshot.PublishedFolds`) and serves each source's snapshot to
+``subscribe(snapshot=True)``: zmq has no server to keep them, and no compactor can see
+what was published before it started. It costs the publisher's sender thread about 30
+µs per 16-block batch (BENCHMARKS.md), so it is off by default.
+
 Several publishers in one process (the KV and metrics streams of one engine) share one
 bound endpoint. Delivery: an append is stored in the publishing process's ring and
 lives as long as that process; positions are ``offset << 16 | index`` per endpoint
@@ -50,12 +58,14 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Final, NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
+import msgspec
 import zmq
 import zmq.asyncio
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
 from kvbus.transports.packing import Pack, entries_after, make_packs, split_position
 
 from kvbus.logs import LimitedLog
+from kvbus.snapshot import CURSOR_NAME, PublishedFolds
 
 log = logging.getLogger("kvbus.transports.zmq")
 _limited = LimitedLog(log)
@@ -77,7 +87,8 @@ _MAX_OFFSET_DIGITS: Final = 20  # 2**64 - 1
 # b"$" (nothing, just the end marker) or an ASCII ring offset. Replies: [request_id,
 # kind, stream, offset(8), data?] with kind DATA, LOST (history before offset is gone)
 # or END (offset = newest offset served, empty if the ring is empty).
-_DATA, _LOST, _END = b"D", b"L", b"E"
+_DATA, _LOST, _END, _SNAPSHOT = b"D", b"L", b"E", b"S"
+_SNAPSHOTS: Final = b"snapshots"  # a request for the snapshots instead of a position
 
 
 class _Endpoint(NamedTuple):
@@ -158,8 +169,11 @@ class _Server:
     safe).
     """
 
-    def __init__(self, endpoint: _Endpoint, ring: int, ring_bytes: int, hwm: int) -> None:
+    def __init__(
+        self, endpoint: _Endpoint, ring: int, ring_bytes: int, hwm: int, snapshots: bool
+    ) -> None:
         self.endpoint = endpoint
+        self._folds: dict[bytes, PublishedFolds] | None = {} if snapshots else None
         self.users = 0
         self._ring_records = ring
         self._ring_bytes = ring_bytes
@@ -204,8 +218,13 @@ class _Server:
             if ring is None:
                 ring = self._rings[topic] = _Ring(self._ring_records, self._ring_bytes)
             for pack in packs:
-                self._outbox.append((topic, ring.add(pack), pack.data))
+                offset = ring.add(pack)
+                self._outbox.append((topic, offset, pack.data))
                 self._outbox_bytes += len(pack.data)
+                if self._folds is not None:
+                    folds = self._folds.setdefault(topic, PublishedFolds())
+                    for at, envelope in entries_after(offset, pack.data):
+                        folds.add(at, envelope)
             while self._outbox_bytes > _OUTBOX_BYTES and len(self._outbox) > 1:
                 self._outbox_bytes -= len(self._outbox.popleft()[2])
                 self.skipped_live += 1
@@ -266,7 +285,22 @@ class _Server:
                 _limited.warning("request", "kvbus: zmq refused a replay request: %s", problem)
                 continue
             identity, request, stream, after = frames
-            self._start_replay(identity, request, stream, after)
+            if after == _SNAPSHOTS:
+                self._send_snapshots(identity, request, stream)
+            else:
+                self._start_replay(identity, request, stream, after)
+
+    def _send_snapshots(self, identity: bytes, request: bytes, stream: bytes) -> None:
+        with self._lock:
+            folds = self._folds.get(_topic(stream)) if self._folds is not None else None
+            found = folds.snapshots() if folds is not None else {}
+        replay = _Replay(identity, request, stream, 0)
+        try:
+            for name, data in found.items():
+                self._reply(replay, _SNAPSHOT, name.encode(), data)
+            self._reply(replay, _END, b"")
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the peer is gone or does not read: it will ask again
 
     def _start_replay(self, identity: bytes, request: bytes, stream: bytes, after: bytes) -> None:
         topic = _topic(stream)
@@ -343,7 +377,7 @@ def _bad_request(frames: list[bytes]) -> str | None:
         return "request id or stream name of a bad size"
     if (
         after
-        and after != LATEST.encode()
+        and after not in (LATEST.encode(), _SNAPSHOTS)
         and not (len(after) <= _MAX_OFFSET_DIGITS and after.isdigit() and int(after) < 2**64)
     ):
         return f"position {after[:24]!r}"
@@ -360,11 +394,13 @@ _servers: dict[_Endpoint, _Server] = {}
 _servers_lock = threading.Lock()
 
 
-def _acquire_server(endpoint: _Endpoint, ring: int, ring_bytes: int, hwm: int) -> _Server:
+def _acquire_server(
+    endpoint: _Endpoint, ring: int, ring_bytes: int, hwm: int, snapshots: bool
+) -> _Server:
     with _servers_lock:
         server = _servers.get(endpoint)
         if server is None:
-            server = _servers[endpoint] = _Server(endpoint, ring, ring_bytes, hwm)
+            server = _servers[endpoint] = _Server(endpoint, ring, ring_bytes, hwm, snapshots)
         server.users += 1
         return server
 
@@ -394,6 +430,28 @@ class _Reader:
         self.timeout = timeout
         self.last: int | None = None
         """Newest ring offset delivered (None: accept whatever comes first)."""
+
+    async def snapshots(self) -> dict[str, bytes]:
+        """The snapshots the publishing process serves ({} if it is not up)."""
+        context: zmq.asyncio.Context = zmq.asyncio.Context.shadow(zmq.Context.instance())
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.endpoint.connect(self.endpoint.port + 1))
+        request = str(next(self._requests)).encode()
+        found: dict[str, bytes] = {}
+        try:
+            await dealer.send_multipart([request, self.stream.encode(), _SNAPSHOTS])
+            while True:
+                reply = await asyncio.wait_for(dealer.recv_multipart(), self.timeout)
+                if len(reply) != 5 or reply[0] != request:
+                    continue
+                if reply[1] == _END:
+                    return found
+                found[reply[3].decode(errors="replace")] = reply[4]
+        except TimeoutError:
+            return {}
+        finally:
+            dealer.close(0)
 
     async def entries(
         self, after: Position | None, follow: bool
@@ -511,6 +569,7 @@ class ZmqTransport(Transport):
         self.ring_bytes = int(query.get("ring_bytes", [DEFAULT_RING_BYTES])[0])
         self.hwm = int(query.get("hwm", [DEFAULT_HWM])[0])
         self.timeout = float(query.get("timeout", [DEFAULT_TIMEOUT])[0])
+        self.snapshots = query.get("snapshots", ["0"])[0] in ("1", "true", "yes")
         if self.ring < 1 or self.ring_bytes < 1 or self.hwm < 0 or self.timeout <= 0:
             raise ValueError(f"ring, ring_bytes, hwm and timeout must be positive in {url!r}")
         self._server: _Server | None = None
@@ -519,7 +578,9 @@ class ZmqTransport(Transport):
         if self._server is None:
             if len(self.endpoints) != 1:
                 raise ValueError("a zmq:// publisher binds exactly one HOST:PORT")
-            self._server = _acquire_server(self.endpoints[0], self.ring, self.ring_bytes, self.hwm)
+            self._server = _acquire_server(
+                self.endpoints[0], self.ring, self.ring_bytes, self.hwm, self.snapshots
+            )
         self._server.append(stream, make_packs(records, PACK_BYTES, hard_limit=False))
 
     async def read(
@@ -532,6 +593,28 @@ class ZmqTransport(Transport):
             return
         async for entry in _merge(readers, after, follow):
             yield entry
+
+    async def get_snapshots(self, stream: str) -> dict[str, bytes]:
+        """From the publishing process, which folds what it publishes when its URL says
+        ``snapshots=1``; with several endpoints, their cursors joined."""
+        readers = [_Reader(e, stream, self.hwm, self.timeout) for e in self.endpoints]
+        answers = await asyncio.gather(*(r.snapshots() for r in readers))
+        if len(answers) == 1:
+            return answers[0]
+        merged: dict[str, bytes] = {}
+        positions: list[str] = []
+        sources: dict[str, object] = {}
+        for answer in answers:
+            cursor = msgspec.json.decode(answer.pop(CURSOR_NAME, b"{}"))
+            position = cursor.get("position") if isinstance(cursor, dict) else None
+            positions.append("" if position is None else str(position))
+            if isinstance(cursor, dict) and isinstance(cursor.get("sources"), dict):
+                sources.update(cursor["sources"])
+            merged.update(answer)
+        merged[CURSOR_NAME] = msgspec.json.encode(
+            {"position": ",".join(positions), "sources": sources}
+        )
+        return merged
 
     async def aclose(self) -> None:
         if self._server is not None:
