@@ -17,6 +17,7 @@ from kvbus.transports.memory import MemoryTransport
 
 import kvbus
 from kvbus import BlockStored, Kind, KVEventBatch, LoadMetrics
+from kvbus.compact import Compactor
 from kvbus.envelope import SCHEMA_VERSION, Envelope, encode_envelope
 from kvbus.events import encode
 from kvbus.gateway import RouterApp
@@ -66,6 +67,44 @@ async def test_ready_from_the_bus_history_alone(memory_url: str, tokenizer: Path
             assert state["ready"] is False
             await asyncio.sleep(0.05)
         assert (status, state["eligible"]) == (200, ["a/dp0"])  # b's record was stale
+        assert app.router.index.match(TOKENS) == {"a/dp0": 96}
+    finally:
+        await server.close()
+        kv.close()
+        metrics.close()
+
+
+async def test_ready_from_snapshots_after_the_history_was_trimmed(
+    memory_url: str, tokenizer: Path
+) -> None:
+    """The bus keeps 5 messages; kvbus compact ran; a router started afterwards knows
+    every block engine a holds."""
+    url = f"{memory_url}?maxlen=5"
+    kv = kvbus.Publisher(url, stream="kv", source="a/dp0", max_batch=1)
+    stored = BlockStored(list(range(1, 4)), None, TOKENS, 32, None, "GPU", None)
+    kv.publish(KVEventBatch(time.time(), [stored]))
+    assert kv.flush()
+    await Compactor(url, "kv").run(follow=False)
+    for _ in range(10):  # later engine steps that store nothing: the first is trimmed
+        kv.publish(KVEventBatch(time.time(), []))
+        assert kv.flush()
+    await Compactor(url, "kv").run(follow=False)
+    metrics = kvbus.Publisher(url, stream="metrics", source="a/dp0")
+    metrics.publish(
+        LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0), Kind.METRICS
+    )
+    assert metrics.flush()
+    dead = f"http://127.0.0.1:{free_port()}"
+    app = RouterApp({"a": dead}, Router(), url, str(tokenizer))
+    server = TestServer(app.app())
+    await server.start_server()
+    try:
+        for _ in range(100):
+            status, _ = await health(server)
+            if status == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert status == 200
         assert app.router.index.match(TOKENS) == {"a/dp0": 96}
     finally:
         await server.close()
