@@ -237,6 +237,8 @@ _MALFORMED: Final = object()
 _KINDS: Final = {kind.value: kind for kind in Kind}
 _INBOX_HIGH: Final = 1024
 _INBOX_LOW: Final = 256
+_INBOX_HIGH_BYTES: Final = 64 * 1024 * 1024
+_INBOX_LOW_BYTES: Final = 16 * 1024 * 1024
 Item = Message | Resync
 
 
@@ -293,6 +295,7 @@ class Subscription:
         self._inbox: deque[Any] = deque()
         self._inbox_filled = asyncio.Event()
         self._inbox_drained = asyncio.Event()
+        self._inbox_bytes = 0
         self._reader: asyncio.Task[None] | None = None
         self._ended = False
 
@@ -331,7 +334,9 @@ class Subscription:
                     pass  # the deadline check above expires the gap
                 continue
             item = self._inbox.popleft()
-            if len(self._inbox) <= _INBOX_LOW:
+            if item is not _END:
+                self._inbox_bytes -= len(item[0].data)
+            if len(self._inbox) <= _INBOX_LOW and self._inbox_bytes <= _INBOX_LOW_BYTES:
                 self._inbox_drained.set()
             if item is _END:
                 await self._expire_gaps(force=True)
@@ -388,8 +393,10 @@ class Subscription:
             with attempt:
                 async for entry in self._transport.read(self.stream, previous, follow=self._follow):
                     self._inbox.append((entry, previous))
+                    self._inbox_bytes += len(entry.data)
                     self._inbox_filled.set()
-                    if len(self._inbox) >= _INBOX_HIGH:  # let the consumer catch up
+                    if len(self._inbox) >= _INBOX_HIGH or self._inbox_bytes >= _INBOX_HIGH_BYTES:
+                        # Let the consumer catch up: read ahead at most this much.
                         self._inbox_drained.clear()
                         await self._inbox_drained.wait()
                     previous = entry.position

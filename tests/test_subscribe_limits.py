@@ -4,6 +4,7 @@ each test is a reproduction of an attack or an unlucky fleet, run against memory
 
 from __future__ import annotations
 
+import asyncio
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -125,4 +126,16 @@ async def test_a_flood_of_held_messages_declares_the_gap_at_once(memory_url: str
     sub = kvbus.subscribe(url=memory_url, follow=False, gap_timeout=3600)
     first = await sub.__anext__()  # long before the hour is up
     assert first == Resync("a", EPOCH, ResyncReason.JOINED, (1, 1))
+    await sub.aclose()
+
+
+async def test_read_ahead_is_bounded_in_bytes(memory_url: str) -> None:
+    """The reader runs ahead of a slow consumer by at most 64 MiB, not 1,024 entries of
+    up to 16 MiB each."""
+    big = [envelope("a", EPOCH, s, bytes(2**20)) for s in range(1, 201)]  # 200 MiB
+    await append_raw(memory_url, big)
+    sub = kvbus.subscribe(url=memory_url, follow=False)
+    await sub.__anext__()  # starts the reader; then the consumer stalls
+    await asyncio.sleep(0.5)
+    assert 0 < sub._inbox_bytes <= 65 * 2**20
     await sub.aclose()
