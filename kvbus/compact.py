@@ -8,7 +8,7 @@ import time
 from typing import Final
 
 from kvbus.config import resolve_stream, resolve_url
-from kvbus.events import KVEventBatch, SourceStarted, encode
+from kvbus.events import AllBlocksCleared, KVEventBatch, SourceStarted, encode
 from kvbus.snapshot import CURSOR_NAME, Snapshot, SourceFold, encode_snapshot
 from kvbus.subscribe import Cursor, Message, Resync, ResyncReason, subscribe
 from kvbus.transports import Transport, open_transport
@@ -43,13 +43,15 @@ class Compactor:
             self.folds[source] = SourceFold()
             if item.reason is ResyncReason.NEW_EPOCH:
                 self._inexact.discard(source)
-            else:  # what the lost seqs did is unknown: no snapshot until a new epoch
+            else:  # what the lost seqs did is unknown: no snapshot until a clear or epoch
                 self._inexact.add(source)
             self._changed.add(source)
             return
         fold = self.folds.setdefault(source, SourceFold())
         if isinstance(item.body, KVEventBatch):
             fold.apply(item.body.events)
+            if any(isinstance(e, AllBlocksCleared) for e in item.body.events):
+                self._inexact.discard(source)  # an empty cache is known state again
         elif isinstance(item.body, SourceStarted):
             self.folds[source] = SourceFold()
             self._inexact.discard(source)

@@ -5,7 +5,14 @@ late consumer, are in test_conformance.py; a real engine in test_vllm_events.py.
 from __future__ import annotations
 
 import kvbus
-from kvbus import BlockRemoved, BlockStored, Resync, ResyncReason
+from kvbus import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Resync,
+    ResyncReason,
+)
 from kvbus.compact import Compactor
 from kvbus.events import encode
 from kvbus.index import PrefixIndex
@@ -67,4 +74,30 @@ async def test_a_cursor_into_trimmed_history_gets_the_newer_snapshot(memory_url:
         consumer.apply(item)
     assert consumer.blocks("engine-a") == truth.blocks("engine-a")
     assert consumer.copies("engine-a") == truth.copies("engine-a")
+    publisher.close()
+
+
+async def test_a_source_with_lost_events_gets_snapshots_again_after_a_clear(
+    memory_url: str,
+) -> None:
+    """After a loss (the publisher dropped batches) nobody knows the engine's cache, so
+    no snapshot is stored for it; an AllBlocksCleared (vLLM's reset_prefix_cache) makes
+    it known again."""
+    publisher = kvbus.Publisher(memory_url, source="engine-a", max_batch=1)
+    publisher.publish(encode(KVEventBatch(0.0, [stored([1], None)])))
+    publisher.announce_loss(3)
+    publisher.publish(encode(KVEventBatch(1.0, [stored([2], None)])))
+    assert publisher.flush()
+    compactor = Compactor(memory_url)
+    await compactor.run(follow=False)
+    assert compactor.written == 0
+    publisher.publish(encode(KVEventBatch(2.0, [AllBlocksCleared(), stored([3], None)])))
+    assert publisher.flush()
+    await compactor.run(follow=False)
+    assert compactor.written == 1
+    items = [i async for i in kvbus.subscribe(url=memory_url, follow=False, snapshot=True)]
+    index = PrefixIndex()
+    for item in items:
+        index.apply(item)
+    assert index.blocks("engine-a") == {3}
     publisher.close()
