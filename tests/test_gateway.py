@@ -39,6 +39,17 @@ async def health(server: TestServer) -> tuple[int, dict[str, object]]:
             return response.status, await response.json()
 
 
+async def wait_ready(server: TestServer) -> tuple[int, dict[str, object]]:
+    """/health until it says ready (5 s at most); 503 only while not ready."""
+    for _ in range(100):
+        status, state = await health(server)
+        if status == 200:
+            break
+        assert state["ready"] is False
+        await asyncio.sleep(0.05)
+    return status, state
+
+
 async def test_ready_from_the_bus_history_alone(memory_url: str, tokenizer: Path) -> None:
     # Before the router starts: engine a's blocks and load, and a load record of engine
     # b that was already a minute old when it was stored.
@@ -60,12 +71,7 @@ async def test_ready_from_the_bus_history_alone(memory_url: str, tokenizer: Path
     server = TestServer(app.app())
     await server.start_server()
     try:
-        for _ in range(100):
-            status, state = await health(server)
-            if status == 200:
-                break
-            assert state["ready"] is False
-            await asyncio.sleep(0.05)
+        status, state = await wait_ready(server)
         assert (status, state["eligible"]) == (200, ["a/dp0"])  # b's record was stale
         assert app.router.index.match(TOKENS) == {"a/dp0": 96}
     finally:
@@ -99,11 +105,7 @@ async def test_ready_from_snapshots_after_the_history_was_trimmed(
     server = TestServer(app.app())
     await server.start_server()
     try:
-        for _ in range(100):
-            status, _ = await health(server)
-            if status == 200:
-                break
-            await asyncio.sleep(0.05)
+        status, _ = await wait_ready(server)
         assert status == 200
         assert app.router.index.match(TOKENS) == {"a/dp0": 96}
     finally:

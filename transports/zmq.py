@@ -62,7 +62,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
-from kvbus.transports.packing import Pack, entries_after, make_packs, split_position
+from kvbus.transports.packing import Pack, entries_after, make_packs, position, split_position
 
 from kvbus.logs import LimitedLog
 from kvbus.snapshot import CURSOR_NAME, PublishedFolds
@@ -211,20 +211,23 @@ class _Server:
         )
         self._thread.start()
 
-    def append(self, stream: str, packs: list[Pack]) -> None:
+    def append(self, stream: str, records: Sequence[Record]) -> None:
         topic = _topic(stream)
+        packs = make_packs(records, PACK_BYTES, hard_limit=False)
         with self._lock:
             ring = self._rings.get(topic)
             if ring is None:
                 ring = self._rings[topic] = _Ring(self._ring_records, self._ring_bytes)
+            first = 0  # the pack's first record
             for pack in packs:
                 offset = ring.add(pack)
                 self._outbox.append((topic, offset, pack.data))
                 self._outbox_bytes += len(pack.data)
                 if self._folds is not None:
                     folds = self._folds.setdefault(topic, PublishedFolds())
-                    for at, envelope in entries_after(offset, pack.data):
-                        folds.add(at, envelope)
+                    for index in range(pack.length):
+                        folds.add(position(offset, index), records[first + index].data)
+                first += pack.length
             while self._outbox_bytes > _OUTBOX_BYTES and len(self._outbox) > 1:
                 self._outbox_bytes -= len(self._outbox.popleft()[2])
                 self.skipped_live += 1
@@ -431,12 +434,20 @@ class _Reader:
         self.last: int | None = None
         """Newest ring offset delivered (None: accept whatever comes first)."""
 
-    async def snapshots(self) -> dict[str, bytes]:
-        """The snapshots the publishing process serves ({} if it is not up)."""
-        context: zmq.asyncio.Context = zmq.asyncio.Context.shadow(zmq.Context.instance())
-        dealer = context.socket(zmq.DEALER)
+    @staticmethod
+    def _context() -> zmq.asyncio.Context:
+        return zmq.asyncio.Context.shadow(zmq.Context.instance())
+
+    def _dealer(self) -> zmq.asyncio.Socket:
+        """A socket to the endpoint's replay ROUTER."""
+        dealer = self._context().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.endpoint.connect(self.endpoint.port + 1))
+        return dealer
+
+    async def snapshots(self) -> dict[str, bytes]:
+        """The snapshots the publishing process serves ({} if it is not up)."""
+        dealer = self._dealer()
         request = str(next(self._requests)).encode()
         found: dict[str, bytes] = {}
         try:
@@ -456,17 +467,14 @@ class _Reader:
     async def entries(
         self, after: Position | None, follow: bool
     ) -> AsyncIterator[tuple[int, bytes]]:
-        context: zmq.asyncio.Context = zmq.asyncio.Context.shadow(zmq.Context.instance())
         sub = None
         if follow:  # subscribe before asking for history, so nothing falls in between
-            sub = context.socket(zmq.SUB)
+            sub = self._context().socket(zmq.SUB)
             sub.setsockopt(zmq.RCVHWM, self.hwm)
             sub.setsockopt(zmq.LINGER, 0)
             sub.connect(self.endpoint.connect(self.endpoint.port))
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.endpoint.connect(self.endpoint.port + 1))
+        dealer = self._dealer()
         try:
             if after == LATEST:
                 request, skip = LATEST.encode(), -1
@@ -581,7 +589,7 @@ class ZmqTransport(Transport):
             self._server = _acquire_server(
                 self.endpoints[0], self.ring, self.ring_bytes, self.hwm, self.snapshots
             )
-        self._server.append(stream, make_packs(records, PACK_BYTES, hard_limit=False))
+        self._server.append(stream, records)
 
     async def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False
