@@ -6,7 +6,7 @@ Publish from engine code with `Publisher` (never blocks the caller), consume wit
 client library is imported only when first used.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind
 from kvbus.events import (

@@ -17,7 +17,14 @@ from typing import Any
 import msgspec
 
 from kvbus.config import redact_url
-from kvbus.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvbus.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ConnectorBatch,
+    KVEventBatch,
+    decode_raw,
+)
 from kvbus.publisher import Publisher
 from kvbus.subscribe import Cursor, Message, Resync, subscribe
 
@@ -38,12 +45,43 @@ def as_json(item: Message | Resync) -> bytes:
             "ts": item.ts,
             "position": item.position,
             # Batches are arrays on the wire; named fields read better in JSON.
-            "body": {
-                "type": type(item.body).__name__,
-                **msgspec.to_builtins(msgspec.structs.asdict(item.body)),
-            },
+            "body": {"type": type(item.body).__name__, **_fields(item.body)},
         }
     )
+
+
+def _fields(body: msgspec.Struct) -> dict[str, Any]:
+    fields = msgspec.structs.asdict(body)
+    if isinstance(body, ConnectorBatch):
+        fields["transfers"] = [
+            {**msgspec.structs.asdict(t), "params": _raw_json(t.params)} for t in body.transfers
+        ]
+        if body.stats is not None:
+            stats = msgspec.structs.asdict(body.stats)
+            stats["workers"] = _raw_json(body.stats.workers)
+            stats["scheduler"] = _raw_json(body.stats.scheduler)
+            fields["stats"] = stats
+    return dict(msgspec.to_builtins(fields))
+
+
+def _raw_json(raw: bytes) -> Any:
+    """A raw connector payload for JSON: maps keyed by arrays (vLLM's offloading stats
+    key series by label tuples) get the key written as a JSON array string."""
+    try:
+        return _string_keys(decode_raw(raw))
+    except (msgspec.DecodeError, RecursionError) as error:
+        return {"malformed": str(error)[:200]}
+
+
+def _string_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k if isinstance(k, str) else _json.encode(k).decode(): _string_keys(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_string_keys(v) for v in value]
+    return value
 
 
 async def _tail(args: argparse.Namespace) -> int:

@@ -30,6 +30,9 @@ class Kind(enum.IntEnum):
     """A ``LoadMetrics`` payload."""
     CONTROL = 3
     """A kvbus control payload (``SourceStarted``, ``SourceStopped``)."""
+    CONNECTOR = 4
+    """A ``ConnectorBatch`` payload: one engine step's KV transfers and connector stats
+    (kvbus >= 0.2; older consumers count and skip it as an unknown kind)."""
 
 
 class Envelope(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -98,6 +98,78 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Blocks in the engine's KV cache (its capacity); 0: not reported."""
 
 
+# --- connector payloads, published by kvbus.connectors.vllm_connector -----------------
+
+
+class TransferEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One phase of one request's KV transfer between the engine and its KV connector.
+
+    Phases: ``planned`` (a load was allocated blocks), ``pending`` (an asynchronous save
+    holds the request's blocks), ``finished`` and ``failed``. A transfer is finished only
+    once every worker of the engine reported it (vLLM's ``KVOutputAggregator``), and
+    failed when any worker failed it. Every number is additive: sum them over requests,
+    steps or engines, and divide sums (``sum(seconds) / sum(tokens)``) for averages.
+    """
+
+    request_id: str
+    direction: str
+    """``load`` (connector to engine) or ``save`` (engine to connector)."""
+    phase: str
+    tokens: int = 0
+    blocks: int = 0
+    is_async: bool = False
+    """Whether it runs between engine steps (else within the step that scheduled it)."""
+    seconds: float = 0.0
+    """``finished``/``failed``: time since the transfer was planned (step-granular)."""
+    steps: int = 0
+    """``finished``/``failed``: engine step outputs since the transfer was planned,
+    the one that ended it included (1: within the step that carried it)."""
+    reason: str = ""
+    """``failed``: why (``invalid_blocks``, ``failed_recving``, ``inner_error``, ...)."""
+    invalid_blocks: int = 0
+    params: bytes = b""
+    """``pending``/``finished`` saves: the connector's ``kv_transfer_params`` (msgpack)."""
+
+
+class BlockDigest(msgspec.Struct, array_like=True, gc=False):
+    """A hash of one KV block's bytes on one worker, over every layer
+    (`kvbus.connectors.kv_blocks.block_digest`): equal digests of a saved and a loaded
+    block prove that the connector moved the KV exactly."""
+
+    request_id: str
+    direction: str
+    index: int
+    """The block's place in the request (0: its first block)."""
+    rank: int
+    digest: bytes
+
+
+class ConnectorStats(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """The connector's own stats for one engine step, as fresh deltas: the objects its
+    workers and its scheduler side handed over this step (never one sent before), each
+    as its ``to_dict()`` payload in msgpack, kept raw so any connector's stats survive."""
+
+    connector: str
+    """The inner connector's class, ``module:Class``."""
+    workers: bytes = b""
+    """The workers' stats, aggregated over ranks by vLLM (empty: none this step)."""
+    scheduler: bytes = b""
+    """The scheduler side's stats (empty: none this step)."""
+    lost: str = ""
+    """Why a payload that existed is missing (unencodable, oversized, inner_error)."""
+
+
+class ConnectorBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One engine step of a KV connector (envelope kind ``CONNECTOR``)."""
+
+    ts: float
+    step: int
+    """The scheduler step it reports, counted from 1 by the connector."""
+    transfers: list[TransferEvent] = []
+    stats: ConnectorStats | None = None
+    digests: list[BlockDigest] = []
+
+
 # --- control payloads, published by kvbus itself -------------------------------------
 
 
@@ -174,6 +246,7 @@ _raw_batch_decoder: Final = msgspec.msgpack.Decoder(_RawKVEventBatch)
 _event_decoder: Final = msgspec.msgpack.Decoder(KVEvent)
 _array_event_decoder: Final = msgspec.msgpack.Decoder(_array_union)
 _metrics_decoder: Final = msgspec.msgpack.Decoder(LoadMetrics)
+_connector_decoder: Final = msgspec.msgpack.Decoder(ConnectorBatch)
 _control_decoder: Final[msgspec.msgpack.Decoder[ControlEvent]] = msgspec.msgpack.Decoder(
     ControlEvent
 )
@@ -221,6 +294,19 @@ def decode_kv_batch(payload: bytes) -> tuple[KVEventBatch, int]:
 @nesting_is_malformed
 def decode_metrics(payload: bytes) -> LoadMetrics:
     return _metrics_decoder.decode(payload)
+
+
+@nesting_is_malformed
+def decode_connector(payload: bytes) -> ConnectorBatch:
+    return _connector_decoder.decode(payload)
+
+
+@nesting_is_malformed
+def decode_raw(raw: bytes) -> Any:
+    """A connector payload (stats, transfer params) as Python values (maps keyed by
+    arrays get tuple keys); ``None`` for an empty one. Raises ``msgspec.DecodeError``
+    when malformed."""
+    return msgspec.msgpack.decode(raw) if raw else None
 
 
 @nesting_is_malformed

@@ -59,6 +59,7 @@ from aiohttp import web
 import kvbus
 from kvbus.router import CostWeights, Decision, Policy, Router
 from kvbus.subscribe import Message, Resync
+from kvbus.transfers import ConnectorMetrics
 from kvbus.transports import open_transport
 
 log = logging.getLogger("kvbus.router")
@@ -214,6 +215,7 @@ class RouterApp:
         worker_timeout: float = 300.0,
         body_timeout: float = 30.0,
         max_tokenize_bytes: int = 2**20,
+        connector_stream: str | None = None,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
         self.router = router
@@ -224,6 +226,11 @@ class RouterApp:
         self.metrics_stream = metrics_stream
         self.down_for = down_for
         self.metrics = Metrics()
+        self.connector_stream = connector_stream
+        self.connector_metrics = (
+            ConnectorMetrics(self.metrics.registry) if connector_stream else None
+        )
+        """The engines' KV connector transfers and stats, in this router's /metrics."""
         self.loras: set[str] = set()
         self.models: set[str] = set()
         self.kv_replayed = False
@@ -264,6 +271,8 @@ class RouterApp:
             asyncio.create_task(self._follow_metrics()),
             asyncio.create_task(self._discover()),
         ]
+        if self.connector_metrics is not None:
+            self._tasks.append(asyncio.create_task(self._follow_connector()))
         for task in self._tasks:
             task.add_done_callback(_report_failure)
         yield
@@ -287,6 +296,11 @@ class RouterApp:
         cursor = await self._read(self.kv_stream, None, False, self.router.apply_kv, snapshot=True)
         self.kv_replayed = True
         await self._read(self.kv_stream, cursor, True, self.router.apply_kv)
+
+    async def _follow_connector(self) -> None:
+        """The connector stream's retained history, then its live tail, into /metrics."""
+        assert self.connector_metrics is not None and self.connector_stream
+        await self._read(self.connector_stream, None, True, self.connector_metrics.apply)
 
     async def _follow_metrics(self) -> None:
         """The metrics stream from ``stale_after`` seconds ago (older records would be
@@ -627,6 +641,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-stream", default=os.environ.get("KVBUS_METRICS_STREAM", "metrics")
     )
     parser.add_argument(
+        "--connector-stream",
+        default=os.environ.get("KVBUS_CONNECTOR_STREAM"),
+        help="export the engines' KV connector transfers from this stream in /metrics",
+    )
+    parser.add_argument(
         "--weight",
         action="append",
         default=[],
@@ -730,6 +749,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         worker_timeout=args.worker_timeout,
         body_timeout=args.body_timeout,
         max_tokenize_bytes=args.max_tokenize_bytes,
+        connector_stream=args.connector_stream,
     )
 
 

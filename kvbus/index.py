@@ -36,6 +36,7 @@ _FIELD_BITS: Final = 21
 _FIELD: Final = (1 << _FIELD_BITS) - 1
 MEDIUM_SHIFTS: Final = {None: 0, "GPU": 0, "CPU": _FIELD_BITS, "STORAGE": 2 * _FIELD_BITS}
 DEFAULT_MEDIUM_WEIGHTS: Final = {"GPU": 1.0, "CPU": 0.5, "STORAGE": 0.25}
+_OFF_GPU: Final = ("CPU", "STORAGE")
 _FULL_ATTENTION: Final = {None, "full_attention", "mla_attention", "sink_full_attention"}
 _ROOT: Final = 0
 MAX_BLOCK_SIZE: Final = 1 << 20
@@ -180,6 +181,9 @@ class PrefixIndex:
         if event.kv_cache_spec_kind not in _FULL_ATTENTION:
             return
         if not 0 < event.block_size <= MAX_BLOCK_SIZE:
+            if event.block_size == 0 and not event.token_ids and event.medium in _OFF_GPU:
+                self._copied(worker, event)
+                return
             self.malformed += 1  # would poison every later match (block_size 0 divides)
             return
         if self.block_size is None:
@@ -218,6 +222,29 @@ class PrefixIndex:
             held[key] = count + unit
             if not shift and not count & _FIELD:
                 state.resident += 1
+
+    def _copied(self, worker: str, event: BlockStored) -> None:
+        """A tokenless store off the GPU (vLLM's offloading connector by default, whose
+        events name the offloaded blocks by their engine hash only): another copy, in
+        that medium, of blocks this worker stored on the GPU before."""
+        state = self._workers.get(worker)
+        if state is None:
+            self.unchained += len(event.block_hashes)
+            return
+        shift = MEDIUM_SHIFTS[event.medium]
+        unit, held, masks = 1 << shift, state.held, self._masks
+        self.offloaded = True
+        for engine_hash in event.block_hashes:
+            key = state.keys.get(engine_hash)
+            if key is None:
+                self.unchained += 1
+                continue
+            count = held.get(key, 0)
+            if not count:
+                masks[key] = masks.get(key, 0) | state.bit
+            elif (count >> shift) & _FIELD == _FIELD:
+                continue
+            held[key] = count + unit
 
     def _removed(self, worker: str, event: BlockRemoved) -> None:
         state = self._workers.get(worker)

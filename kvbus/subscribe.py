@@ -53,9 +53,11 @@ import msgspec
 from kvbus.config import redact_url, resolve_stream, resolve_url
 from kvbus.envelope import Envelope, FutureVersionError, Kind, decode_envelope
 from kvbus.events import (
+    ConnectorBatch,
     ControlEvent,
     KVEventBatch,
     LoadMetrics,
+    decode_connector,
     decode_control,
     decode_kv_batch,
     decode_metrics,
@@ -112,7 +114,7 @@ class Message(msgspec.Struct, frozen=True, gc=False):
     seq: int
     kind: Kind
     ts: float
-    body: KVEventBatch | LoadMetrics | ControlEvent
+    body: KVEventBatch | LoadMetrics | ConnectorBatch | ControlEvent
     payload: bytes
     """The payload exactly as published (for a vLLM batch: the engine's bytes)."""
     position: int | str
@@ -776,6 +778,8 @@ class Subscription:
                 return decode_metrics(envelope.payload)
             if envelope.kind == Kind.CONTROL:
                 return decode_control(envelope.payload)
+            if envelope.kind == Kind.CONNECTOR:
+                return decode_connector(envelope.payload)
         except (msgspec.DecodeError, ValueError) as error:
             self.stats.malformed += 1
             _limited.warning(

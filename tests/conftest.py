@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -15,6 +17,29 @@ from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.events import BlockStored, KVEventBatch, encode
 
 from .servers import NatsServer, RedisServer, free_port
+
+
+@contextlib.contextmanager
+def in_process_engine_env(url: str, source: str) -> Iterator[None]:
+    """Environment for a vLLM engine run in this process (tests read its scheduler),
+    with the kvbus plugins publishing to ``url``; restored afterwards."""
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "KVBUS_URL": url,
+        "KVBUS_SOURCE": source,
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
 
 Item = kvbus.Message | kvbus.Resync
 

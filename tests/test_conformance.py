@@ -58,6 +58,31 @@ async def test_order_without_duplicates(bus: Bus) -> None:
     publisher.close()
 
 
+async def test_connector_records_travel_beside_kv_batches(bus: Bus) -> None:
+    """A KV connector's step records (kind CONNECTOR, with a raw stats payload whose
+    map keys are tuples, as vLLM's offloading stats have) come back as typed structs."""
+    from kvbus.events import ConnectorBatch, ConnectorStats, TransferEvent, decode_raw
+
+    publisher = bus.publisher("engine-a")
+    payload = msgspec.msgpack.encode({"data": {("CPU_to_GPU",): 4096}})
+    sent = ConnectorBatch(
+        time.time(),
+        1,
+        [TransferEvent(request_id="r1", direction="load", phase="finished", tokens=64)],
+        ConnectorStats(connector="m:C", workers=payload),
+    )
+    publisher.publish(kv_payload(1, 2))
+    publisher.publish(sent, kvbus.Kind.CONNECTOR)
+    assert publisher.flush()
+    items, sub = await history(bus)
+    (got,) = [i for i in items if isinstance(i, Message) and i.kind == kvbus.Kind.CONNECTOR]
+    assert got.body == sent and got.seq == 3
+    assert isinstance(got.body, ConnectorBatch) and got.body.stats is not None
+    assert decode_raw(got.body.stats.workers) == {"data": {("CPU_to_GPU",): 4096}}
+    assert sub.stats.unknown_kind == sub.stats.malformed == 0
+    publisher.close()
+
+
 async def test_replay_from_any_cursor(bus: Bus) -> None:
     publisher = bus.publisher("engine-a", max_batch=16)
     for i in range(100):

@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp.test_utils import TestServer
 from cluster import free_port, make_model
 from kvbus.transports import Record
 from kvbus.transports.memory import MemoryTransport
+from prometheus_client.parser import text_string_to_metric_families
 
 import kvbus
 from kvbus import BlockStored, Kind, KVEventBatch, LoadMetrics
@@ -112,3 +114,65 @@ async def test_ready_from_snapshots_after_the_history_was_trimmed(
         await server.close()
         kv.close()
         metrics.close()
+
+
+async def test_metrics_export_the_engines_connector_transfers(
+    memory_url: str, tokenizer: Path
+) -> None:
+    """With --connector-stream, /metrics sums each engine's connector records: transfer
+    counts, tokens and seconds by outcome, and the additive fields of its stats."""
+    from kvbus.events import ConnectorBatch, ConnectorStats, TransferEvent
+
+    def ended(direction: str, phase: str, tokens: int, seconds: float) -> TransferEvent:
+        return TransferEvent(
+            request_id="r", direction=direction, phase=phase, tokens=tokens, seconds=seconds
+        )
+
+    connector = kvbus.Publisher(memory_url, stream="connector", source="a/dp0")
+    stats = ConnectorStats(connector="m:C", workers=msgspec.msgpack.encode({"bytes": 4096}))
+    connector.publish(
+        ConnectorBatch(time.time(), 1, [ended("load", "finished", 64, 0.5)], stats),
+        Kind.CONNECTOR,
+    )
+    connector.publish(
+        ConnectorBatch(
+            time.time(),
+            2,
+            [ended("load", "finished", 32, 0.25), ended("save", "failed", 32, 0.0)],
+            ConnectorStats(connector="m:C", workers=b"\xc1"),  # malformed: skipped
+        ),
+        Kind.CONNECTOR,
+    )
+    assert connector.flush()
+    dead = f"http://127.0.0.1:{free_port()}"
+    app = RouterApp({"a": dead}, Router(), memory_url, str(tokenizer), connector_stream="connector")
+    server = TestServer(app.app())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                async with session.get(server.make_url("/metrics")) as response:
+                    text = await response.text()
+                if 'direction="save"' in text:
+                    break
+                await asyncio.sleep(0.05)
+
+        def value(metric: str, **labels: str) -> float:
+            return sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == metric and sample.labels == {"source": "a/dp0", **labels}
+            )
+
+        load = {"direction": "load", "outcome": "finished"}
+        assert value("kvbus_connector_transfers_total", **load) == 2
+        assert value("kvbus_connector_transfer_tokens_total", **load) == 96
+        assert value("kvbus_connector_transfer_seconds_total", **load) == 0.75
+        save = {"direction": "save", "outcome": "failed"}
+        assert value("kvbus_connector_transfers_total", **save) == 1
+        assert value("kvbus_connector_stat_total", connector="m:C", name="bytes") == 4096
+        assert app.connector_metrics is not None and app.connector_metrics.malformed == 1
+    finally:
+        await server.close()
+        connector.close()

@@ -254,3 +254,22 @@ def test_an_event_with_an_impossible_block_size_is_skipped(block_size: int) -> N
     index.apply(message("a", stored([7, 8], PROMPT[: 2 * B])))
     assert index.malformed == 1
     assert index.match(PROMPT[: 2 * B]) == {"a": 2 * B}
+
+
+def test_tokenless_offload_events_count_a_copy_of_known_blocks_by_medium() -> None:
+    """vLLM's offloading connector names offloaded blocks by engine hash only (no
+    tokens, block size 0): each is another copy, in its medium, of a block the worker
+    stored on the GPU; removed as usual; unknown hashes are skipped, not guessed."""
+    index = PrefixIndex(B)
+    index.apply(message("a", stored([1, 2], PROMPT[:8])))
+    placeholder = BlockStored([1, 2, 99], None, [], 0, None, "CPU", None)
+    index.apply(message("a", placeholder))
+    assert index.copies("a", "CPU") == 2 and index.unchained == 1 and index.malformed == 0
+    index.apply(message("a", BlockRemoved([1, 2], "GPU")))  # evicted from the GPU only
+    assert index.match(PROMPT) == {"a": 8}
+    assert index.match_weighted(PROMPT) == {"a": 1.0}  # two CPU copies at 0.5
+    index.apply(message("a", BlockRemoved([1, 2], "CPU")))
+    assert index.match(PROMPT) == {}
+    gpu_placeholder = BlockStored([1], None, [], 0, None, "GPU", None)
+    index.apply(message("a", gpu_placeholder))
+    assert index.malformed == 1  # a tokenless GPU store is still malformed

@@ -5,7 +5,6 @@ block pool: what a kvbus consumer rebuilds must equal the engine's cached blocks
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
 from kvbus.index import PrefixIndex
 
-from .conftest import Bus, collect
+from .conftest import Bus, collect, in_process_engine_env
 from .servers import free_port
 
 PLUGIN_URL = "memory://vllm-plugin"
@@ -31,28 +30,16 @@ PLUGIN_URL = "memory://vllm-plugin"
 def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One engine for the module: the kvbus plugin loaded through vLLM's entry point
     with only KVBUS_URL set, a KV cache of 64 blocks so that workloads evict."""
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "KVBUS_URL": PLUGIN_URL,
-        "KVBUS_SOURCE": "engine-test",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    model = tmp_path_factory.mktemp("model")
-    make_model(model)
-    from vllm import LLM
-    from vllm.config import KVEventsConfig
+    with in_process_engine_env(PLUGIN_URL, "engine-test"):
+        model = tmp_path_factory.mktemp("model")
+        make_model(model)
+        from vllm import LLM
+        from vllm.config import KVEventsConfig
 
-    engine = LLM(**engine_options(model, KVEventsConfig(enable_kv_cache_events=True), 64))
-    yield engine
-    scheduler(engine).kv_event_publisher.shutdown()
-    del engine
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+        engine = LLM(**engine_options(model, KVEventsConfig(enable_kv_cache_events=True), 64))
+        yield engine
+        scheduler(engine).kv_event_publisher.shutdown()
+        del engine
 
 
 def scheduler(llm: Any) -> Any:

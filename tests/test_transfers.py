@@ -1,0 +1,118 @@
+"""TransferTracker's logic and ConnectorMetrics against hostile records (no engine:
+tests/test_vllm_connector.py and test_connector_aggregation.py drive the real paths)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import prometheus_client as prom
+import pytest
+
+import kvbus.transfers
+from kvbus import Kind, Message
+from kvbus.events import ConnectorBatch, ConnectorStats, TransferEvent, encode
+from kvbus.transfers import MAX_STAT_SERIES, ConnectorMetrics, TransferTracker, additive_fields
+
+
+def phases(tracker: TransferTracker) -> list[tuple[str, str, str, int]]:
+    return [(t.request_id, t.direction, t.phase, t.tokens) for t in tracker.take()]
+
+
+def test_a_sync_load_finishes_with_the_step_that_carried_it() -> None:
+    tracker = TransferTracker(16, producer=False)
+    tracker.looked_up("r", 0)
+    tracker.load_planned("r", 32, [4, 5], is_async=False)
+    tracker.load_planned("r", 0, [4, 5, 6], is_async=False)  # vLLM's second call: no plan
+    assert phases(tracker) == [("r", "load", "planned", 32)]
+    assert tracker.step_scheduled() == ["r"]
+    tracker.step_done()
+    (done,) = tracker.take()
+    assert (done.phase, done.blocks, done.steps) == ("finished", 2, 1)
+
+
+def test_a_sync_load_with_an_invalid_block_fails_once() -> None:
+    tracker = TransferTracker(16, producer=False)
+    tracker.load_planned("r", 32, [4, 5], is_async=False)
+    tracker.step_scheduled()
+    tracker.workers_reported(invalid_block_ids={5, 99})
+    tracker.step_done()
+    ended = [t for t in tracker.take() if t.phase != "planned"]
+    assert [(t.phase, t.reason, t.invalid_blocks) for t in ended] == [
+        ("failed", "invalid_blocks", 1)
+    ]
+
+
+def test_a_sync_save_counts_only_what_this_engine_computed() -> None:
+    tracker = TransferTracker(16, producer=True)
+    tracker.looked_up("r", 16)  # one block hit locally
+    tracker.request_finished("r", 70, [1, 2, 3, 4, 5], delay_free=False)
+    assert phases(tracker) == [("r", "save", "finished", 48)]  # 4 full blocks - 1 local
+    consumer = TransferTracker(16, producer=False)
+    consumer.request_finished("r", 70, [1, 2, 3, 4, 5], delay_free=False)
+    assert consumer.take() == []  # a consumer-only connector saves nothing
+
+
+def test_a_connector_that_never_reports_cannot_grow_the_tracker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvbus.transfers, "MAX_TRACKED", 100)
+    tracker = TransferTracker(16, producer=False)
+    for i in range(250):
+        tracker.load_planned(f"r{i}", 16, [i], is_async=True)
+    assert tracker.pending() == 100 and tracker.untracked == 150
+    failed = [t for t in tracker.take() if t.phase == "failed"]
+    assert {t.reason for t in failed} == {"untracked"} and len(failed) == 150
+
+
+def message(stats: ConnectorStats | None, *transfers: TransferEvent) -> Message:
+    body = ConnectorBatch(time.time(), 1, list(transfers), stats)
+    return Message("e/dp0", 1, 1, Kind.CONNECTOR, 0.0, body, encode(body), 1)
+
+
+def test_hostile_stats_cost_bounded_series() -> None:
+    registry = prom.CollectorRegistry()
+    metrics = ConnectorMetrics(registry)
+    many = {f"name{i}": 1 for i in range(5000)}  # 1,024 read per payload
+    for round_ in range(12):
+        payload = msgspec.msgpack.encode({f"{k}-{round_}": v for k, v in many.items()})
+        metrics.apply(message(ConnectorStats(connector="x", workers=payload)))
+    assert len(metrics._series) == MAX_STAT_SERIES
+    assert metrics.dropped_series == 12 * 1024 - MAX_STAT_SERIES
+    deep = b"\x91" * 100_000 + b"\x00"  # nested arrays past the stack
+    metrics.apply(message(ConnectorStats(connector="x", workers=deep)))
+    assert metrics.malformed == 1
+    forged = TransferEvent(request_id="r", direction="sideways", phase="finished", tokens=-5)
+    metrics.apply(message(None, forged))  # an unknown direction is not counted
+    assert (
+        registry.get_sample_value(
+            "kvbus_connector_transfers_total",
+            {"source": "e/dp0", "direction": "sideways", "outcome": "finished"},
+        )
+        is None
+    )
+
+
+def test_additive_fields_of_vllm_offloading_stats() -> None:
+    payload = {
+        "types": {
+            "vllm:kv_offload_load_bytes": "counter",
+            "vllm:kv_offload_load_size": "histogram",
+            "vllm:kv_offload_cpu_cache_usage_perc": "gauge",
+        },
+        "data": {
+            "vllm:kv_offload_load_bytes": {("CPU_to_GPU",): 100, ("DISK",): 50},
+            "vllm:kv_offload_load_size": {("CPU_to_GPU",): [10.0, 30.0]},
+            "vllm:kv_offload_cpu_cache_usage_perc": {(): 0.5},
+        },
+    }
+    assert dict(additive_fields(payload)) == {
+        "vllm:kv_offload_load_bytes": 150,
+        "vllm:kv_offload_load_size_count": 2,
+        "vllm:kv_offload_load_size_sum": 40.0,
+    }
+    assert dict(additive_fields({"num_bytes": [1, 2], "n": 3, "flag": True})) == {
+        "num_bytes_count": 2,
+        "num_bytes_sum": 3,
+        "n": 3,
+    }
