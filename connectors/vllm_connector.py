@@ -121,6 +121,10 @@ class KvbusConnector(KVConnectorBase_V1):
             self.inner = inner_cls(child, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        # vLLM refuses invalid-block reports from models with several KV cache groups
+        # (hybrid models): there a load fault cannot be contained, only raised.
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        self._can_fail_loads = len(groups) <= 1
         self.errors: dict[str, int] = {}
         """Inner calls that raised, by method (contained, see the module's docstring)."""
         self.stats_lost = 0
@@ -136,13 +140,14 @@ class KvbusConnector(KVConnectorBase_V1):
         self._rank = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
         self._publisher: kvbus.Publisher | None = None
         self._publisher_lock = threading.Lock()
+        self._publishing = True
         # scheduler side
         assert self._kv_transfer_config is not None
-        self.tracker = TransferTracker(
-            self.block_size, producer=bool(self._kv_transfer_config.is_kv_producer)
-        )
+        self.tracker = TransferTracker(self.block_size, sync_saves=self._records_sync_saves(extra))
         self._matched_async: dict[str, bool] = {}
         self._invalid_loads: list[int] = []
+        self._released: list[str] = []
+        self._step_async: dict[str, list[int]] = {}
         self._step_loads: dict[str, list[int]] = {}
         self._digest_loads: dict[str, tuple[int, list[int]]] = {}
         self._worker_stats: bytes | None = None
@@ -154,9 +159,25 @@ class KvbusConnector(KVConnectorBase_V1):
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
+        self._release: set[str] = set()
         self._failed_saves: set[str] = set()
         self._bound: KvbusMetadata | None = None
         self._worker_rank = 0
+
+    def _records_sync_saves(self, extra: dict[str, Any]) -> bool:
+        """Whether to record saves the inner makes inside the forward passes (see
+        `TransferTracker`): ``"sync_saves"`` in the config, else for vLLM's
+        ExampleConnector and its subclasses, which save every prompt they did not load."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+            ExampleConnector,
+        )
+
+        if "sync_saves" in extra:
+            return bool(extra["sync_saves"])
+        assert self._kv_transfer_config is not None
+        return isinstance(self.inner, ExampleConnector) and bool(
+            self._kv_transfer_config.is_kv_producer
+        )
 
     # --- containment ---------------------------------------------------------------------
 
@@ -209,6 +230,7 @@ class KvbusConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         self._bound = connector_metadata
         self._load_errors.update(connector_metadata.invalid_loads)
+        self._release.update(connector_metadata.released_loads)
         if connector_metadata.inner is not None:
             self.inner.bind_connector_metadata(connector_metadata.inner)
 
@@ -244,8 +266,7 @@ class KvbusConnector(KVConnectorBase_V1):
         try:
             inner.start_load_kv(forward_context, **kwargs)
         except Exception as error:
-            self._contain("start_load_kv", error)
-            self._fail_loads()
+            self._contain_load("start_load_kv", error)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         inner = self._running_inner()
@@ -254,8 +275,15 @@ class KvbusConnector(KVConnectorBase_V1):
         try:
             inner.wait_for_layer_load(layer_name)
         except Exception as error:
-            self._contain("wait_for_layer_load", error)
-            self._fail_loads()
+            self._contain_load("wait_for_layer_load", error)
+
+    def _contain_load(self, method: str, error: Exception) -> None:
+        """This step's synchronous loads failed: report their blocks invalid, so vLLM
+        recomputes or fails their requests alone (where it accepts such reports)."""
+        if not self._can_fail_loads:
+            raise error
+        self._contain(method, error)
+        self._fail_loads()
 
     def _fail_loads(self) -> None:
         if self._bound is not None:
@@ -294,7 +322,11 @@ class KvbusConnector(KVConnectorBase_V1):
 
     def _digest(self, direction: str, requests: dict[str, tuple[int, list[int]]]) -> None:
         for request_id, (first, blocks) in requests.items():
-            digests = block_digests(self._kv_caches, blocks, self.num_blocks)
+            try:
+                digests = block_digests(self._kv_caches, blocks, self.num_blocks)
+            except Exception as error:  # a KV layout kv_blocks does not know
+                self._contain("block_digest", error)
+                return
             self._digests += [
                 BlockDigest(request_id, direction, first + i, self._worker_rank, d)
                 for i, d in enumerate(digests)
@@ -308,7 +340,14 @@ class KvbusConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.inner is None:
             return KVConnectorTransferResults()
-        return self.inner.get_transfer_results(finished_req_ids)
+        results = self.inner.get_transfer_results(finished_req_ids)
+        if self._release:
+            # Async loads the inner never heard of (it raised while planning them):
+            # every worker reports them received and failed, so vLLM lets them go.
+            results.finished_recving |= self._release
+            results.failed_recving |= self._release
+            self._release = set()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self.inner.get_block_ids_with_load_errors() if self.inner is not None else set()
@@ -402,6 +441,7 @@ class KvbusConnector(KVConnectorBase_V1):
             self._contain("get_num_new_matched_tokens", error)
             self.tracker.failed(request.request_id, LOAD, "inner_error")
             return 0, False
+        self._matched_async.pop(request.request_id, None)  # the last lookup decides
         if is_async:
             self._matched_async[request.request_id] = True
             while len(self._matched_async) > MAX_TRACKED:  # looked up, never allocated
@@ -424,21 +464,24 @@ class KvbusConnector(KVConnectorBase_V1):
             first = self.tracker.local_tokens(request_id) // self.block_size
             count = -(-num_external_tokens // self.block_size)
             loaded = list(all_blocks[first : first + count])
-            if self._sampled(request):
+            if not is_async and self._sampled(request):  # async data lands later
                 self._digest_loads[request_id] = (first, loaded)
         try:
             self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception as error:
+            if loaded and not self._can_fail_loads:
+                raise
             self._contain("update_state_after_alloc", error)
             if loaded:
                 self.tracker.failed(request_id, LOAD, "inner_error")
                 self._invalid_loads += loaded
                 self._digest_loads.pop(request_id, None)
+                if is_async:
+                    self._released.append(request_id)
             return
         if loaded:
             self.tracker.load_planned(request_id, num_external_tokens, loaded, is_async)
-            if not is_async:
-                self._step_loads[request_id] = loaded
+            (self._step_async if is_async else self._step_loads)[request_id] = loaded
 
     def _sampled(self, request: Any) -> bool:
         """Whether to digest this request's blocks: by its first block's tokens, so a
@@ -457,12 +500,15 @@ class KvbusConnector(KVConnectorBase_V1):
         try:
             inner_meta = self.inner.build_connector_meta(scheduler_output)
         except Exception as error:
-            # The inner's step state is gone: none of its loads will run.
+            # The inner's step state is gone: none of the loads planned since will run.
+            if (self._step_loads or self._step_async) and not self._can_fail_loads:
+                raise
             self._contain("build_connector_meta", error)
             inner_meta = None
-            for request_id, blocks in self._step_loads.items():
+            for request_id, blocks in {**self._step_loads, **self._step_async}.items():
                 self.tracker.failed(request_id, LOAD, "inner_error")
                 self._invalid_loads += blocks
+            self._released += self._step_async
             self._step_loads = {}
         self.tracker.step_scheduled()
         new = scheduler_output.scheduled_new_reqs
@@ -470,9 +516,10 @@ class KvbusConnector(KVConnectorBase_V1):
             inner_meta,
             new_requests=tuple(r.req_id for r in new),
             invalid_loads=tuple(self._invalid_loads),
+            released_loads=tuple(self._released),
             loads=self._step_loads,
         )
-        self._invalid_loads, self._step_loads = [], {}
+        self._invalid_loads, self._released, self._step_loads, self._step_async = [], [], {}, {}
         if self.verify_sample > 0.0 and self._kv_transfer_config.is_kv_producer:
             self._plan_save_digests(scheduler_output, meta)
         if self._digest_loads:
@@ -581,7 +628,12 @@ class KvbusConnector(KVConnectorBase_V1):
             except Exception:  # params only vLLM's front end reads; the record goes without
                 encoded = b""
         self.tracker.request_finished(
-            request.request_id, request.num_prompt_tokens, first_group, bool(delay_free), encoded
+            request.request_id,
+            request.num_prompt_tokens,
+            first_group,
+            bool(delay_free),
+            encoded,
+            computed_tokens=getattr(request, "num_computed_tokens", None),
         )
         return delay_free, params
 
@@ -626,14 +678,18 @@ class KvbusConnector(KVConnectorBase_V1):
             return
         batch = ConnectorBatch(time.time(), self.tracker.step, transfers, stats, self._digests)
         self._digests = []
-        publisher = self._ensure_publisher()
-        if publisher is not None:
-            publisher.publish(batch, Kind.CONNECTOR)
+        try:
+            publisher = self._ensure_publisher()
+            if publisher is not None:
+                publisher.publish(batch, Kind.CONNECTOR)
+        except Exception as error:  # a URL no transport takes: the engine goes on
+            self._contain("publish", error)
+            self._url, self._publishing = None, False
 
     def _ensure_publisher(self) -> kvbus.Publisher | None:
         """Opened on the first record (a pass-through never opens one)."""
         if self._publisher is None:
-            if not (self._url or os.environ.get("KVBUS_URL")):
+            if not self._publishing or not (self._url or os.environ.get("KVBUS_URL")):
                 return None
             with self._publisher_lock:
                 if self._publisher is None:
@@ -715,7 +771,18 @@ class KvbusConnector(KVConnectorBase_V1):
 
 
 class KvbusHMAConnector(KvbusConnector, SupportsHMA):
-    """`KvbusConnector` for an inner that supports the hybrid memory allocator."""
+    """`KvbusConnector` for an inner that supports the hybrid memory allocator (vLLM
+    decides HMA from this class alone, so an inner without it is refused)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.inner is not None and not isinstance(self.inner, SupportsHMA):
+            raise ValueError(
+                f"KvbusHMAConnector: the inner {self.inner_name} does not support the "
+                "hybrid memory allocator; use KvbusConnector"
+            )
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]

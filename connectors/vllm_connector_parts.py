@@ -98,6 +98,9 @@ class KvbusMetadata(KVConnectorMetadata):
     invalid_loads: tuple[int, ...] = ()
     """Blocks of loads the scheduler side knows failed (the inner raised): reported
     back as load errors, so vLLM fails or recomputes their requests."""
+    released_loads: tuple[str, ...] = ()
+    """Asynchronous loads the inner never heard of (it raised while planning them):
+    each worker reports them received and failed, which is how vLLM lets them go."""
     loads: dict[str, list[int]] = field(default_factory=dict)
     """This step's synchronous loads (their blocks), for load errors and digests."""
     digest_saves: dict[str, tuple[int, list[int]]] = field(default_factory=dict)

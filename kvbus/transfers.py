@@ -13,6 +13,7 @@ from the ``connector`` stream (a router's or a bridge's ``/metrics``) as inside 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -59,13 +60,15 @@ class TransferTracker:
     step's output comes back without an invalid block of its own. An asynchronous load
     or save is finished when the workers' aggregated output says so (every worker
     reported it), failed when a worker failed it. A synchronous save runs inside the
-    forward passes of its request; it is recorded when the request finishes, as the
-    full-block prompt tokens this engine computed itself and offered to a producer
-    connector (neither a local prefix hit nor loaded from the connector).
+    forward passes of its request, unseen from the scheduler: with ``sync_saves`` (a
+    connector known to save every prompt it did not load, like vLLM's
+    ExampleConnector) it is recorded when the request finishes, as the full-block
+    prompt tokens this engine computed itself (neither a local prefix hit nor loaded
+    from the connector; none for a request aborted before its prefill).
     """
 
     block_size: int
-    producer: bool
+    sync_saves: bool
     clock: Callable[[], float] = time.monotonic
     step: int = 0
     """Steps whose output came back."""
@@ -75,6 +78,8 @@ class TransferTracker:
     _unscheduled: list[str] = field(default_factory=list)
     _steps: deque[list[str]] = field(default_factory=deque)
     _failed_saves: set[str] = field(default_factory=set)
+    _loading: dict[int, str] = field(default_factory=dict)
+    """block id -> the request loading into it (block ids are unique at a time)"""
     _external: dict[str, int] = field(default_factory=dict)
     _out: list[TransferEvent] = field(default_factory=list)
 
@@ -98,9 +103,11 @@ class TransferTracker:
         for an asynchronous load: the second call, with 0 tokens, is not a plan)."""
         if tokens <= 0:
             return
-        self._external[request_id] = self._external.get(request_id, 0) + tokens
+        self._external[request_id] = tokens  # a resumed request's load replaces the first
         blocks = list(block_ids)
         self._track(request_id, LOAD, _Transfer(LOAD, tokens, blocks, is_async, 0.0, 0))
+        for block in blocks:
+            self._loading[block] = request_id
         if not is_async:
             self._unscheduled.append(request_id)
         self._emit(request_id, LOAD, "planned", tokens, len(blocks), is_async)
@@ -122,14 +129,13 @@ class TransferTracker:
         failed_saves: Iterable[str] = (),
     ) -> None:
         """The workers' output of a step, aggregated over every worker by vLLM."""
-        invalid = set(invalid_block_ids)
-        if invalid:
-            for (request_id, direction), transfer in list(self._transfers.items()):
-                if direction != LOAD:
-                    continue
-                bad = sum(1 for b in transfer.block_ids if b in invalid)
-                if bad:
-                    self._end(request_id, LOAD, "invalid_blocks", bad)
+        bad: dict[str, int] = {}
+        for block in set(invalid_block_ids):
+            request_id = self._loading.get(block)
+            if request_id is not None:
+                bad[request_id] = bad.get(request_id, 0) + 1
+        for request_id, count in bad.items():
+            self._end(request_id, LOAD, "invalid_blocks", count)
         failed = set(failed_recving)
         for request_id in finished_recving:
             self._end(request_id, LOAD, "failed_recving" if request_id in failed else "")
@@ -154,6 +160,7 @@ class TransferTracker:
         block_ids: Sequence[int],
         delay_free: bool,
         params: bytes = b"",
+        computed_tokens: int | None = None,
     ) -> None:
         """The request finished; ``delay_free`` means the connector saves its blocks
         asynchronously and reports when done."""
@@ -167,9 +174,12 @@ class TransferTracker:
             self._track(request_id, SAVE, saved)
             self._emit(request_id, SAVE, "pending", tokens, len(block_ids), True, params)
             return
-        if not self.producer:
+        if not self.sync_saves:
             return
-        full = prompt_tokens // self.block_size * self.block_size
+        prefilled = (
+            prompt_tokens if computed_tokens is None else min(computed_tokens, prompt_tokens)
+        )
+        full = min(prefilled, len(block_ids) * self.block_size) // self.block_size * self.block_size
         tokens = max(0, full - local - external) // self.block_size * self.block_size
         if tokens:
             self._emit(
@@ -194,15 +204,6 @@ class TransferTracker:
         """The records made since the last call."""
         out, self._out = self._out, []
         return out
-
-    def load_blocks(self, request_ids: Iterable[str]) -> list[int]:
-        """The blocks allocated to these requests' pending loads."""
-        blocks: list[int] = []
-        for request_id in request_ids:
-            transfer = self._transfers.get((request_id, LOAD))
-            if transfer is not None:
-                blocks += transfer.block_ids
-        return blocks
 
     def pending(self) -> int:
         return len(self._transfers)
@@ -229,6 +230,10 @@ class TransferTracker:
         transfer = self._transfers.pop((request_id, direction), None)
         if transfer is None:
             return  # finished before (a sync load in a step also reported invalid), or unknown
+        if direction == LOAD:
+            for block in transfer.block_ids:
+                if self._loading.get(block) == request_id:
+                    del self._loading[block]
         self._emit(
             request_id,
             direction,
@@ -302,7 +307,7 @@ Outcome = tuple[str, str, int, int, float]
 def outcomes(events: Iterable[TransferEvent]) -> list[Outcome]:
     """The ended transfers among ``events``, as the metrics count them."""
     return [
-        (e.direction, e.phase, e.tokens, e.blocks, e.seconds)
+        (e.direction, e.phase, e.tokens, e.blocks, e.seconds if math.isfinite(e.seconds) else 0.0)
         for e in events
         if e.phase in OUTCOMES and e.direction in (LOAD, SAVE)
     ]
@@ -379,6 +384,8 @@ class ConnectorMetrics:
         )
         self.malformed = 0
         self.dropped_series = 0
+        self.dropped_sources = 0
+        self._sources: set[str] = set()
         self._series: set[tuple[str, str, str]] = set()
 
     def _add_stat(self, source: str, connector: str, name: str, value: float) -> None:
@@ -392,15 +399,28 @@ class ConnectorMetrics:
             self._series.add(key)
         self.stat.labels(*key).inc(value)
 
+    def _admit(self, source: str) -> bool:
+        """Series per source outlive the source: past `MAX_SOURCES` sources, new ones
+        are not exported (counted in ``dropped_sources``)."""
+        if source in self._sources:
+            return True
+        if len(self._sources) >= MAX_SOURCES:
+            self.dropped_sources += 1
+            return False
+        self._sources.add(source)
+        return True
+
     def apply(self, item: Message | Resync) -> None:
         if isinstance(item, Resync) or item.kind != Kind.CONNECTOR:
             return
         batch = item.body
-        if not isinstance(batch, ConnectorBatch):
+        if not isinstance(batch, ConnectorBatch) or not self._admit(item.source):
             return
         self.transfers.observe([item.source], outcomes(batch.transfers))
-        for digest in batch.digests:
-            self.digests.labels(item.source, digest.direction).inc()
+        for direction in (LOAD, SAVE):
+            count = sum(1 for d in batch.digests if d.direction == direction)
+            if count:
+                self.digests.labels(item.source, direction).inc(count)
         stats = batch.stats
         if stats is None:
             return
@@ -422,6 +442,7 @@ class ConnectorMetrics:
 
 _MAX_FIELDS: Final = 1024
 MAX_STAT_SERIES: Final = 10_000
+MAX_SOURCES: Final = 10_000
 
 
 def additive_fields(payload: Any) -> list[tuple[str, float]]:
@@ -460,4 +481,9 @@ def additive_fields(payload: Any) -> list[tuple[str, float]]:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )

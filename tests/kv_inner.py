@@ -190,13 +190,16 @@ class AsyncConnector(ExampleConnector):
 
     matches: ClassVar[dict[str, int]] = {}
     saves: ClassVar[set[str]] = set()
+    broken: ClassVar[set[str]] = set()
+    """Requests whose allocation the inner fails on (it raises)."""
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         tokens = self.matches.get(request.request_id, 0)
         return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        pass
+        if request.request_id in self.broken:
+            raise RuntimeError("test fault in update_state_after_alloc")
 
     def build_connector_meta(self, scheduler_output: Any) -> ExampleConnectorMetadata:
         return ExampleConnectorMetadata()

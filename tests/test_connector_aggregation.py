@@ -19,31 +19,16 @@ from kvbus.events import ConnectorBatch, TransferEvent, decode_raw
 from .conftest import collect
 
 URL = "memory://connector-aggregation"
+ASYNC_INNER = {"kv_connector": "AsyncConnector", "kv_connector_module_path": "tests.kv_inner"}
 
 
 @pytest.fixture
 def connector(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setenv("KVBUS_SOURCE", "tp2-engine")
     from kvbus.connectors.vllm_connector import KvbusConnector
-    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    config = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvbusConnector",
-            kv_connector_module_path="kvbus.connectors.vllm_connector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "inner": {
-                    "kv_connector": "AsyncConnector",
-                    "kv_connector_module_path": "tests.kv_inner",
-                },
-                "url": URL,
-            },
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
-    scheduler = KvbusConnector(config, KVConnectorRole.SCHEDULER, None)
+    scheduler = KvbusConnector(config(ASYNC_INNER), KVConnectorRole.SCHEDULER, None)
     yield scheduler
     scheduler.shutdown()
 
@@ -182,19 +167,71 @@ async def test_the_workers_stats_are_summed_into_one_record_per_step(connector: 
     assert {s.connector for s in stats} == {"tests.kv_inner:AsyncConnector"}
 
 
-def test_the_hma_variant_forwards_all_groups() -> None:
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+def config(inner: dict[str, Any] | None, name: str = "KvbusConnector") -> Any:
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 
-    config = KVTransferConfig(
-        kv_connector="KvbusHMAConnector",
-        kv_connector_module_path="kvbus.connectors.vllm_connector",
-        kv_role="kv_both",
+    extra: dict[str, Any] = {"url": URL}
+    if inner is not None:
+        extra["inner"] = inner
+    return VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=name,
+            kv_connector_module_path="kvbus.connectors.vllm_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=CacheConfig(block_size=16),
     )
-    assert KVConnectorFactory.supports_hma_config(config)
-    plain = KVTransferConfig(
-        kv_connector="KvbusConnector",
-        kv_connector_module_path="kvbus.connectors.vllm_connector",
-        kv_role="kv_both",
+
+
+async def test_an_async_load_the_inner_failed_to_plan_is_released_by_every_worker(
+    connector: Any,
+) -> None:
+    """The lookup said asynchronous, so vLLM waits for the load to be received; the
+    inner raised while planning it and will never report it: each worker reports it
+    received and failed, and vLLM's aggregator lets it go (and recomputes its blocks)."""
+    from kvbus.connectors.vllm_connector import KvbusConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.kv_inner import AsyncConnector
+
+    AsyncConnector.broken.add("r9")
+    plan_load(connector, "r9", 32, 11, 12)
+    meta = connector.build_connector_meta(
+        SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={})
     )
-    assert not KVConnectorFactory.supports_hma_config(plain)
+    assert meta.released_loads == ("r9",) and set(meta.invalid_loads) == {11, 12}
+    assert connector.errors == {"update_state_after_alloc": 1}
+    outputs = []
+    for _rank in range(2):
+        worker = KvbusConnector(config(ASYNC_INNER), KVConnectorRole.WORKER, None)
+        worker.bind_connector_metadata(meta)
+        results = worker.get_transfer_results(set())
+        assert (results.finished_recving, results.failed_recving) == ({"r9"}, {"r9"})
+        assert worker.get_block_ids_with_load_errors() == {11, 12}
+        outputs.append(
+            worker_output(recving=results.finished_recving, failed=results.failed_recving)
+        )
+        worker.clear_connector_metadata()
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+    merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output
+    assert merged.finished_recving == {"r9"} and merged.failed_recving == {"r9"}
+    done = ended(await records(connector)) if connector.publisher else {}
+    engine = Engine(connector)
+    engine.step(worker_output(), worker_output())
+    done = ended(await records(connector))
+    assert (done["load:r9"].phase, done["load:r9"].reason) == ("failed", "inner_error")
+
+
+def test_the_hma_variant_refuses_an_inner_without_hma() -> None:
+    from kvbus.connectors.vllm_connector import KvbusHMAConnector
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    hma = config(None, "KvbusHMAConnector")
+    assert hma.kv_transfer_config is not None
+    assert KVConnectorFactory.supports_hma_config(hma.kv_transfer_config)
+    inner = {"kv_connector": "ExampleConnector"}
+    with pytest.raises(ValueError, match="does not support the hybrid memory allocator"):
+        KvbusHMAConnector(config(inner, "KvbusHMAConnector"), KVConnectorRole.SCHEDULER, None)

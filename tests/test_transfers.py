@@ -20,7 +20,7 @@ def phases(tracker: TransferTracker) -> list[tuple[str, str, str, int]]:
 
 
 def test_a_sync_load_finishes_with_the_step_that_carried_it() -> None:
-    tracker = TransferTracker(16, producer=False)
+    tracker = TransferTracker(16, sync_saves=False)
     tracker.looked_up("r", 0)
     tracker.load_planned("r", 32, [4, 5], is_async=False)
     tracker.load_planned("r", 0, [4, 5, 6], is_async=False)  # vLLM's second call: no plan
@@ -32,7 +32,7 @@ def test_a_sync_load_finishes_with_the_step_that_carried_it() -> None:
 
 
 def test_a_sync_load_with_an_invalid_block_fails_once() -> None:
-    tracker = TransferTracker(16, producer=False)
+    tracker = TransferTracker(16, sync_saves=False)
     tracker.load_planned("r", 32, [4, 5], is_async=False)
     tracker.step_scheduled()
     tracker.workers_reported(invalid_block_ids={5, 99})
@@ -44,11 +44,13 @@ def test_a_sync_load_with_an_invalid_block_fails_once() -> None:
 
 
 def test_a_sync_save_counts_only_what_this_engine_computed() -> None:
-    tracker = TransferTracker(16, producer=True)
+    tracker = TransferTracker(16, sync_saves=True)
     tracker.looked_up("r", 16)  # one block hit locally
     tracker.request_finished("r", 70, [1, 2, 3, 4, 5], delay_free=False)
     assert phases(tracker) == [("r", "save", "finished", 48)]  # 4 full blocks - 1 local
-    consumer = TransferTracker(16, producer=False)
+    tracker.request_finished("aborted", 70, [1, 2, 3, 4, 5], delay_free=False, computed_tokens=0)
+    assert tracker.take() == []  # aborted before its prefill: nothing was saved
+    consumer = TransferTracker(16, sync_saves=False)
     consumer.request_finished("r", 70, [1, 2, 3, 4, 5], delay_free=False)
     assert consumer.take() == []  # a consumer-only connector saves nothing
 
@@ -57,7 +59,7 @@ def test_a_connector_that_never_reports_cannot_grow_the_tracker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(kvbus.transfers, "MAX_TRACKED", 100)
-    tracker = TransferTracker(16, producer=False)
+    tracker = TransferTracker(16, sync_saves=False)
     for i in range(250):
         tracker.load_planned(f"r{i}", 16, [i], is_async=True)
     assert tracker.pending() == 100 and tracker.untracked == 150
@@ -82,6 +84,23 @@ def test_hostile_stats_cost_bounded_series() -> None:
     deep = b"\x91" * 100_000 + b"\x00"  # nested arrays past the stack
     metrics.apply(message(ConnectorStats(connector="x", workers=deep)))
     assert metrics.malformed == 1
+    infinite = TransferEvent(
+        request_id="r", direction="load", phase="finished", tokens=1, seconds=float("inf")
+    )
+    metrics.apply(
+        message(
+            ConnectorStats(connector="x", workers=msgspec.msgpack.encode({"n": float("inf")})),
+            infinite,
+        )
+    )
+    seconds = {"source": "e/dp0", "direction": "load", "outcome": "finished"}
+    assert registry.get_sample_value("kvbus_connector_transfer_seconds_total", seconds) == 0.0
+    assert (
+        registry.get_sample_value(
+            "kvbus_connector_stat_total", {"source": "e/dp0", "connector": "x", "name": "n"}
+        )
+        is None
+    )  # an infinite value is not a count
     forged = TransferEvent(request_id="r", direction="sideways", phase="finished", tokens=-5)
     metrics.apply(message(None, forged))  # an unknown direction is not counted
     assert (
@@ -116,3 +135,24 @@ def test_additive_fields_of_vllm_offloading_stats() -> None:
         "num_bytes_sum": 3,
         "n": 3,
     }
+
+
+def test_hostile_digests_and_sources_cost_bounded_series(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbus.events import BlockDigest
+
+    monkeypatch.setattr(kvbus.transfers, "MAX_SOURCES", 3)
+    registry = prom.CollectorRegistry()
+    metrics = ConnectorMetrics(registry)
+    digests = [BlockDigest("r", f"dir{i}", 0, 0, b"") for i in range(1000)]
+    digests.append(BlockDigest("r", "load", 0, 0, b""))
+    for n in range(5):
+        body = ConnectorBatch(time.time(), 1, [], None, digests)
+        metrics.apply(Message(f"e{n}/dp0", 1, 1, Kind.CONNECTOR, 0.0, body, encode(body), 1))
+    families = {f.name: f for f in registry.collect()}
+    samples = [
+        s for s in families["kvbus_connector_block_digests"].samples if s.name.endswith("_total")
+    ]
+    assert {(s.labels["source"], s.labels["direction"], s.value) for s in samples} == {
+        (f"e{n}/dp0", "load", 1.0) for n in range(3)
+    }
+    assert metrics.dropped_sources == 2
