@@ -97,6 +97,8 @@ _limited = LimitedLog(log)
 DEFAULT_MAX_STATS_BYTES: Final = 256 * 1024
 _encoder: Final = msgspec.msgpack.Encoder()
 _Finished = tuple[bool, "dict[str, Any] | None"]
+_PASS_THROUGH_META: Final = KvbusMetadata(None)
+"""Every step's metadata of a pass-through (nothing in it changes)."""
 
 
 # --- the connector ---------------------------------------------------------------------
@@ -235,8 +237,10 @@ class KvbusConnector(KVConnectorBase_V1):
             self.inner.bind_connector_metadata(connector_metadata.inner)
 
     def clear_connector_metadata(self) -> None:
+        if self.inner is None:
+            return  # nothing was bound
         super().clear_connector_metadata()
-        if self.inner is not None and self._bound is not None:
+        if self._bound is not None:
             self.inner.clear_connector_metadata()
         self._bound = None
 
@@ -249,7 +253,9 @@ class KvbusConnector(KVConnectorBase_V1):
             self.inner.reset_capture_state()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if self.inner is not None and isinstance(kv_connector_metadata, KvbusMetadata):
+        if self.inner is None:
+            return
+        if isinstance(kv_connector_metadata, KvbusMetadata):
             if kv_connector_metadata.inner is not None:
                 self.inner.handle_preemptions(kv_connector_metadata.inner)
 
@@ -259,6 +265,8 @@ class KvbusConnector(KVConnectorBase_V1):
         return self.inner if bound is not None and bound.inner is not None else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.inner is None:
+            return
         inner = self._running_inner()
         if inner is None:
             self._fail_loads()
@@ -350,7 +358,9 @@ class KvbusConnector(KVConnectorBase_V1):
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = self.inner.get_block_ids_with_load_errors() if self.inner is not None else set()
+        if self.inner is None:
+            return set()
+        errors = self.inner.get_block_ids_with_load_errors()
         if self._load_errors:
             errors = set(errors) | self._load_errors
             self._load_errors = set()
@@ -375,13 +385,14 @@ class KvbusConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Worker side: the inner's stats of the step. Scheduler side: the inner's,
         plus the transfers that ended since the last call (for vLLM's metrics)."""
+        if self.inner is None:
+            return None  # a pass-through has no transfers
         inner_stats = None
-        if self.inner is not None:
-            try:
-                inner_stats = self.inner.get_kv_connector_stats()
-            except Exception as error:
-                self._contain("get_kv_connector_stats", error)
-                self._lost = self._lost or "inner_error"
+        try:
+            inner_stats = self.inner.get_kv_connector_stats()
+        except Exception as error:
+            self._contain("get_kv_connector_stats", error)
+            self._lost = self._lost or "inner_error"
         if self._role == KVConnectorRole.SCHEDULER and inner_stats is not None:
             self._scheduler_stats = self._encode_stats(inner_stats)
             if self._unencodable:
@@ -495,7 +506,7 @@ class KvbusConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.inner is None:
-            return KvbusMetadata(None)
+            return _PASS_THROUGH_META
         inner_meta: KVConnectorMetadata | None
         try:
             inner_meta = self.inner.build_connector_meta(scheduler_output)
