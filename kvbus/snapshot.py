@@ -99,7 +99,7 @@ class SourceFold:
                 self.evicted.clear()
 
     def _stored(self, event: BlockStored) -> None:
-        if event.block_size < 1:
+        if event.block_size < 1 and not _tokenless(event):
             return
         held, evicted, medium, group = self.held, self.evicted, event.medium, event.group_idx
         for i, block_hash in enumerate(event.block_hashes):
@@ -138,9 +138,12 @@ class SourceFold:
         emitted: set[BlockKey] = set()
         by_hash: dict[tuple[int | bytes, int | None], BlockKey] = {}
         for key in [*self.evicted, *self.held]:
-            by_hash[(key[0], key[2])] = key
+            if not _tokenless(self._stored_by(key)[0]):
+                by_hash[(key[0], key[2])] = key
         for key in self.held:
-            # Walk up to the first ancestor already emitted (or unknown), then down.
+            # Walk up to the first ancestor already emitted (or unknown), then down. A
+            # tokenless copy (offloaded, named by hash only) comes after the block it
+            # copies, stored for it (and removed at the end) if no longer cached.
             chain: list[BlockKey] = []
             on_chain: set[BlockKey] = set()  # forged parents can make a cycle
             at: BlockKey | None = key
@@ -148,6 +151,9 @@ class SourceFold:
                 chain.append(at)
                 on_chain.add(at)
                 event, index = self._stored_by(at)
+                if _tokenless(event):
+                    at = by_hash.get((at[0], at[2]))
+                    continue
                 parent = event.block_hashes[index - 1] if index else event.parent_block_hash
                 at = None if parent is None else by_hash.get((parent, at[2]))
             for link in reversed(chain):
@@ -168,16 +174,23 @@ class SourceFold:
 def _one_block(event: BlockStored, i: int) -> BlockStored:
     """Block ``i`` of ``event`` as an event of its own."""
     size = event.block_size
+    parent = event.block_hashes[i - 1] if i else event.parent_block_hash
     return msgspec.structs.replace(
         event,
         block_hashes=[event.block_hashes[i]],
-        parent_block_hash=event.block_hashes[i - 1] if i else event.parent_block_hash,
+        parent_block_hash=None if _tokenless(event) else parent,
         token_ids=event.token_ids[i * size : (i + 1) * size],
         extra_keys=[event.extra_keys[i]] if event.extra_keys else event.extra_keys,
         lookahead_token_ids=[event.lookahead_token_ids[i]]
         if event.lookahead_token_ids
         else event.lookahead_token_ids,
     )
+
+
+def _tokenless(event: BlockStored) -> bool:
+    """An offloading connector's store that names blocks by hash only (vLLM's default
+    for CPU/STORAGE tiers): a copy of blocks stored with their tokens before."""
+    return event.block_size == 0 and not event.token_ids and event.medium in ("CPU", "STORAGE")
 
 
 def _merge_chains(events: list[KVEvent]) -> list[KVEvent]:

@@ -39,6 +39,27 @@ def test_a_cached_child_of_an_evicted_parent_still_chains() -> None:
     assert rebuilt.unchained == live.unchained == 0
 
 
+def test_tokenless_offloaded_copies_survive_a_snapshot() -> None:
+    """The offloading connector names the blocks it copies to CPU by hash only; after
+    the GPU evicts them, only the CPU copies remain: the snapshot stores each copied
+    block first (removing it again at the end when it left the GPU), then its copies."""
+    tokens = list(range(12))
+    gpu = BlockStored([1, 2, 3], None, tokens, 4, None, "GPU", None)
+    offloaded = BlockStored([1, 2], None, [], 0, None, "CPU", None)
+    again = BlockStored([2], None, [], 0, None, "CPU", None)
+    events = [gpu, offloaded, again, BlockRemoved([1, 2], "GPU"), stored([4], 3)]
+    fold, live = SourceFold(), PrefixIndex()
+    fold.apply(events)
+    live.apply_events("a", events)
+    rebuilt = PrefixIndex()
+    rebuilt.apply_events("a", fold.events())
+    for medium in ("GPU", "CPU"):
+        assert rebuilt.copies("a", medium) == live.copies("a", medium)
+    assert live.copies("a", "CPU") == 3 and live.copies("a", "GPU") == 2
+    assert rebuilt.match_weighted(tokens) == live.match_weighted(tokens) == {"a": 2.0}
+    assert rebuilt.unchained == live.unchained == 0
+
+
 def test_forged_parent_cycles_end() -> None:
     fold = SourceFold()
     fold.apply([stored([1], 2), stored([2], 1)])  # each names the other as its parent
