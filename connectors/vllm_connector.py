@@ -40,7 +40,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -144,7 +144,6 @@ class KvbusConnector(KVConnectorBase_V1):
         self._publisher_lock = threading.Lock()
         self._publishing = True
         # scheduler side
-        assert self._kv_transfer_config is not None
         self.tracker = TransferTracker(self.block_size, sync_saves=self._records_sync_saves(extra))
         self._matched_async: dict[str, bool] = {}
         self._invalid_loads: list[int] = []
@@ -610,24 +609,19 @@ class KvbusConnector(KVConnectorBase_V1):
             return None
         return data
 
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request, block_ids, block_ids, self.inner_request_finished)
-
-    def inner_request_finished(
-        self, request: Any, block_ids: Any
-    ) -> tuple[bool, dict[str, Any] | None]:
-        assert self.inner is not None
-        return self.inner.request_finished(request, block_ids)
+    def request_finished(self, request: Any, block_ids: list[int]) -> _Finished:
+        return self._finished(
+            request, block_ids, lambda inner: inner.request_finished(request, block_ids)
+        )
 
     def _finished(
-        self, request: Any, block_ids: Any, first_group: list[int], call: Any
-    ) -> tuple[bool, dict[str, Any] | None]:
+        self, request: Any, first_group: list[int], call: Callable[[Any], _Finished]
+    ) -> _Finished:
+        """``call(inner)`` asks the inner, then the tracker notes the outcome."""
         if self.inner is None:
             return False, None
         try:
-            delay_free, params = call(request, block_ids)
+            delay_free, params = call(self.inner)
         except Exception as error:
             self._contain("request_finished", error)
             self.tracker.failed(request.request_id, SAVE, "inner_error")
@@ -798,9 +792,7 @@ class KvbusHMAConnector(KvbusConnector, SupportsHMA):
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> _Finished:
-        def call(request: Any, ids: Any) -> _Finished:
-            assert isinstance(self.inner, SupportsHMA)
-            return self.inner.request_finished_all_groups(request, ids)
-
         first = block_ids[0] if block_ids else []
-        return self._finished(request, block_ids, first, call)
+        return self._finished(
+            request, first, lambda inner: inner.request_finished_all_groups(request, block_ids)
+        )

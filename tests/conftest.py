@@ -20,15 +20,8 @@ from .servers import NatsServer, RedisServer, free_port
 
 
 @contextlib.contextmanager
-def in_process_engine_env(url: str, source: str) -> Iterator[None]:
-    """Environment for a vLLM engine run in this process (tests read its scheduler),
-    with the kvbus plugins publishing to ``url``; restored afterwards."""
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "KVBUS_URL": url,
-        "KVBUS_SOURCE": source,
-    }
+def scoped_env(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set, restored afterwards."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -39,6 +32,19 @@ def in_process_engine_env(url: str, source: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def in_process_engine_env(url: str, source: str) -> contextlib.AbstractContextManager[None]:
+    """Environment for a vLLM engine run in this process (tests read its scheduler),
+    with the kvbus plugins publishing to ``url``; restored afterwards."""
+    return scoped_env(
+        {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "KVBUS_URL": url,
+            "KVBUS_SOURCE": source,
+        }
+    )
 
 
 Item = kvbus.Message | kvbus.Resync

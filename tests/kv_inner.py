@@ -9,6 +9,7 @@ Loaded by vLLM through ``kv_connector_module_path: "tests.kv_inner"``.
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -278,3 +279,41 @@ class TwoRankConnector(RecordingConnector):
         done |= self._held
         self._held = set()
         return done or None, None
+
+
+# --- for the tests that run engines with these connectors ---------------------------
+
+
+def wrapped(inner: str, storage: Any) -> Any:
+    """A KvbusConnector config wrapping ``inner`` (a class of this module) that keeps
+    KV in ``storage``, with digests on and failed loads recomputed."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KvbusConnector",
+        kv_connector_module_path="kvbus.connectors.vllm_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "inner": {
+                "kv_connector": inner,
+                "kv_connector_module_path": "tests.kv_inner",
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+            },
+            "verify_transfers": True,
+        },
+    )
+
+
+def generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy output tokens (4 each) of token prompts."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def prompt(seed: int, length: int = 100) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(length)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from cluster import engine_options, make_model
 from kvbus import Kind, Message
 from kvbus.events import ConnectorBatch, TransferEvent, decode_raw
 from kvbus.index import PrefixIndex
+from tests.kv_inner import generate, prompt, wrapped
 
 from .conftest import collect, in_process_engine_env
 
@@ -40,25 +40,12 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         make_model(model)
         storage = tmp_path_factory.mktemp("kv-store")
         from vllm import LLM
-        from vllm.config import KVEventsConfig, KVTransferConfig
+        from vllm.config import KVEventsConfig
 
         options = engine_options(model, KVEventsConfig(enable_kv_cache_events=True), 256)
         options["enable_prefix_caching"] = False
         options["disable_log_stats"] = False  # vLLM's stat loggers, its Prometheus ones included
-        transfer = KVTransferConfig(
-            kv_connector="KvbusConnector",
-            kv_connector_module_path="kvbus.connectors.vllm_connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "inner": {
-                    "kv_connector": "RecordingConnector",
-                    "kv_connector_module_path": "tests.kv_inner",
-                    "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-                },
-                "verify_transfers": True,
-            },
-        )
+        transfer = wrapped("RecordingConnector", storage)
         engine = LLM(**options, kv_transfer_config=transfer)
         engine.storage = storage
         yield engine
@@ -82,19 +69,6 @@ def worker_connector() -> Any:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     return get_kv_transfer_group()
-
-
-def generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def prompt(seed: int, length: int = 100) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
 
 
 async def connector_batches(llm: Any) -> list[ConnectorBatch]:

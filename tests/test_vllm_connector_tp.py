@@ -7,7 +7,6 @@ and reports each save asynchronously per worker; files in its directory steer ra
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,9 @@ import kvbus
 from kvbus import Message
 from kvbus.events import ConnectorBatch, TransferEvent, decode_raw
 from kvbus.index import PrefixIndex
+from tests.kv_inner import generate, prompt, wrapped
 
+from .conftest import scoped_env
 from .servers import NatsServer
 
 SOURCE = "tp2-engine/dp0"
@@ -42,50 +43,15 @@ def engine(
             [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
         ),
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     from vllm import LLM
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.config import KVEventsConfig
 
     options = engine_options(model, KVEventsConfig(enable_kv_cache_events=True), 256)
     options.update(enable_prefix_caching=False, tensor_parallel_size=2)
-    transfer = KVTransferConfig(
-        kv_connector="KvbusConnector",
-        kv_connector_module_path="kvbus.connectors.vllm_connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "inner": {
-                "kv_connector": "TwoRankConnector",
-                "kv_connector_module_path": "tests.kv_inner",
-                "kv_connector_extra_config": {"shared_storage_path": str(storage)},
-            },
-            "verify_transfers": True,
-        },
-    )
-    try:
-        llm = LLM(**options, kv_transfer_config=transfer)
+    with scoped_env(env):
+        llm = LLM(**options, kv_transfer_config=wrapped("TwoRankConnector", storage))
         yield llm, storage
         llm.llm_engine.engine_core.shutdown()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def prompt(seed: int, length: int = 100) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
 
 
 async def stream(url: str, name: str) -> list[Message]:
