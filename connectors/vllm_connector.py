@@ -57,7 +57,7 @@ from kvbus.connectors.vllm_connector_parts import (
     inner_config,
     inner_transfer_config,
 )
-from kvbus.connectors.vllm_events import engine_source
+from kvbus.connectors.vllm_events import engine_source, report_bus_metrics
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -704,6 +704,7 @@ class KvbusConnector(KVConnectorBase_V1):
                         source=engine_source(self._rank),
                         data_parallel_rank=self._rank,
                     )
+                    report_bus_metrics()
         return self._publisher
 
     @property

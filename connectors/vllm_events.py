@@ -20,8 +20,11 @@ blocks when its queue is full, as without kvbus.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from vllm.distributed.kv_events import (
@@ -32,6 +35,7 @@ from vllm.distributed.kv_events import (
 )
 
 import kvbus
+from kvbus import metrics
 from kvbus.config import redact_url, resolve_source
 from kvbus.envelope import Kind
 
@@ -74,6 +78,7 @@ class KvbusEventPublisher(EventPublisher):
             source=engine_source(data_parallel_rank),
             data_parallel_rank=data_parallel_rank,
         )
+        report_bus_metrics()
         log.info(
             "kvbus: KV events of %s go to %s", self.publisher.source, redact_url(self.publisher.url)
         )
@@ -91,10 +96,24 @@ class KvbusEventPublisher(EventPublisher):
             self.zmq.shutdown()
 
 
+def report_bus_metrics() -> None:
+    """Hand this process's bus metrics to vLLM's front end, which serves them on vLLM's
+    ``/metrics`` (see `kvbus.metrics`); the front end reads its own objects directly."""
+    directory = os.environ.get(metrics.METRICS_DIR_ENV)
+    if directory:
+        metrics.start_reporting(directory)
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point. Idempotent: vLLM runs it in each process."""
     if not os.environ.get("KVBUS_URL"):
         return
     os.environ.setdefault("KVBUS_SOURCE", resolve_source(None))
+    if metrics.METRICS_DIR_ENV not in os.environ:
+        # The first vLLM process (the front end) makes the directory its engine
+        # processes inherit, and removes it when it exits.
+        directory = tempfile.mkdtemp(prefix="kvbus-metrics-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        os.environ[metrics.METRICS_DIR_ENV] = directory
     # register_publisher() refuses a taken name, and the config only allows "zmq".
     EventPublisherFactory._registry["zmq"] = KvbusEventPublisher

@@ -21,6 +21,7 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 import kvbus
+from kvbus import metrics
 from kvbus.envelope import Kind
 from kvbus.events import LoadMetrics
 
@@ -39,6 +40,9 @@ class KvbusStatLogger(StatLoggerBase):
             source=engine_source(engine_index),
             data_parallel_rank=engine_index,
         )
+        # vLLM's /metrics (one API server) serves the default registry: the bus's
+        # series, this process's and its engine processes' reports, go there too.
+        metrics.register()
         self._lock = threading.Lock()
         self._latest = LoadMetrics(
             ts=time.time(), engine_index=engine_index, running=0, waiting=0, kv_cache_usage=0.0

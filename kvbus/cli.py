@@ -174,6 +174,11 @@ async def _bridge(args: argparse.Namespace) -> int:
     sources = list(args.source) + [e.rpartition("/")[2] for e in endpoints[len(args.source) :]]
     if len(replays) != len(endpoints) or len(sources) != len(endpoints):
         raise SystemExit("kvbus bridge: give at most one --replay and --source per --from")
+    if args.metrics_port is not None:
+        from kvbus.metrics import serve_http
+
+        port = serve_http(args.metrics_port, args.metrics_host)
+        print(f"kvbus bridge: metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
     await run_bridges(endpoints, replays, sources, args.url, args.stream)
     return 0
 
@@ -219,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     bridge.add_argument("--to", dest="url", help="transport URL (default $KVBUS_URL)")
     bridge.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
+    bridge.add_argument(
+        "--metrics-port", type=int, help="serve the bus's Prometheus series on this port"
+    )
+    bridge.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (default loopback)"
+    )
 
     compact = commands.add_parser(
         "compact", help="fold the kv stream and store snapshots for late consumers"

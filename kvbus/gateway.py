@@ -57,6 +57,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 import kvbus
+import kvbus.metrics
 from kvbus.router import CostWeights, Decision, Policy, Router
 from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
@@ -86,6 +87,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = prom.CollectorRegistry()
+        kvbus.metrics.register(self.registry)  # kvbus_publisher_*, kvbus_subscriber_*
         per_worker = ("worker", "policy")
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = per_worker) -> prom.Counter:

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvbus import __version__
+from kvbus import __version__, metrics
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
@@ -50,6 +50,8 @@ class PublisherStats(msgspec.Struct):
     """Messages lost: queue full, publisher closed, oversized, or unsent at close."""
     send_errors: int = 0
     """Failed append attempts (each is retried)."""
+    reconnects: int = 0
+    """Appends that succeeded after failed attempts: the backend came back."""
 
 
 class Publisher:
@@ -90,6 +92,8 @@ class Publisher:
         self.source = resolve_source(source)
         self.epoch = time.time_ns()
         self.stats = PublisherStats()
+        self.append_latency = metrics.LatencyHistogram()
+        """Seconds from an append's first try to the transport's acknowledgement."""
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
         # Queued bytes = in - out; each counter has one writer (the publishing thread,
@@ -120,6 +124,7 @@ class Publisher:
         self._waker = threading.Thread(target=self._relay_wakeups, name="kvbus-waker", daemon=True)
         self._waker.start()
         self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._loop)
+        metrics.track_publisher(self)
         self.publish(
             SourceStarted(
                 host=socket.gethostname(),
@@ -250,8 +255,14 @@ class Publisher:
         return batch
 
     async def _append(self, records: list[Record]) -> None:
+        failures = 0
+
         def count() -> None:
+            nonlocal failures
+            failures += 1
             self.stats.send_errors += 1
+
+        started = time.perf_counter()
 
         retrying = retry_forever(f"append to {redact_url(self.url)}", count, log, self.url)
         async for attempt in retrying:
@@ -263,8 +274,20 @@ class Publisher:
                     except RecordTooLarge as error:  # nothing of this call was stored
                         records = [r for r in records if r.msg_id != error.msg_id]
                         self._drop_taken(int(error.msg_id.rpartition(":")[2]), str(error))
+        self.append_latency.observe(time.perf_counter() - started)
+        if failures:
+            self.stats.reconnects += 1
         self.stats.sent += len(records)
         self._settled += len(records)
+
+    @property
+    def queue_messages(self) -> int:
+        """Messages accepted by ``publish()`` and not yet handed to the transport."""
+        return len(self._queue)
+
+    @property
+    def queue_bytes(self) -> int:
+        return max(0, self._bytes_in - self._bytes_out)
 
     # --- lifecycle ---------------------------------------------------------------------
 

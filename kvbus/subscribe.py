@@ -50,6 +50,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from kvbus import metrics
 from kvbus.config import redact_url, resolve_stream, resolve_url
 from kvbus.envelope import Envelope, FutureVersionError, Kind, decode_envelope
 from kvbus.events import (
@@ -144,6 +145,9 @@ class Cursor(msgspec.Struct):
 class SubscriptionStats(msgspec.Struct):
     delivered: int = 0
     resyncs: int = 0
+    resyncs_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
+    lag_seconds: float = 0.0
+    """Delivery time minus publish time of the last message delivered."""
     duplicates: int = 0
     """Copies dropped, including live copies of messages already repaired from history."""
     stale: int = 0
@@ -300,6 +304,7 @@ class Subscription:
         self._inbox_bytes = 0
         self._reader: asyncio.Task[None] | None = None
         self._ended = False
+        metrics.track_subscription(self)
 
     # --- iteration ---------------------------------------------------------------------
 
@@ -352,6 +357,12 @@ class Subscription:
         item, _, _ = self._ready.popleft()
         self._note_yielded(item)
         return item
+
+    @property
+    def backlog(self) -> int:
+        """Messages read from the transport and not yet delivered."""
+        held = sum(len(s.held) for s in self._gapped)
+        return len(self._inbox) + len(self._ready) + held
 
     @property
     def cursor(self) -> Cursor:
@@ -604,6 +615,8 @@ class Subscription:
             state.seq = lost_to
             self.stats.gaps_lost += 1
         self.stats.resyncs += 1
+        by_reason = self.stats.resyncs_by_reason
+        by_reason[reason.value] = by_reason.get(reason.value, 0) + 1
         log.info(
             "kvbus: resync %s epoch %s: %s, lost %s",
             shown(state.name),
@@ -807,6 +820,7 @@ class Subscription:
     def _note_yielded(self, item: Item) -> None:
         if isinstance(item, Message):
             self._yielded[item.source] = SourceCursor(item.epoch, item.seq, item.position)
+            self.stats.lag_seconds = time.time() - item.ts
         else:
             last = self._yielded.get(item.source)
             same_epoch = last is not None and last.epoch == item.epoch

@@ -69,6 +69,7 @@ def test_bridge_command_forwards_a_stock_publisher(tmp_path: Path) -> None:
     onto zmq:// (no server), read back with subscribe()."""
     import asyncio
     import time
+    import urllib.request
 
     from vllm.distributed.kv_events import ZmqEventPublisher
 
@@ -76,6 +77,7 @@ def test_bridge_command_forwards_a_stock_publisher(tmp_path: Path) -> None:
     from .test_conformance import kv_messages
 
     engine_port, bus_port = free_port(pair=True), free_port(pair=True)
+    metrics_port = free_port()
     stock = ZmqEventPublisher(
         0,
         endpoint=f"tcp://*:{engine_port}",
@@ -86,7 +88,8 @@ def test_bridge_command_forwards_a_stock_publisher(tmp_path: Path) -> None:
     bus = f"zmq://127.0.0.1:{bus_port}"
     bridge = subprocess.Popen(
         [str(script), "bridge", "--from", f"tcp://127.0.0.1:{engine_port}",
-         "--replay", f"tcp://127.0.0.1:{engine_port + 1}", "--source", "engine-a", "--to", bus],
+         "--replay", f"tcp://127.0.0.1:{engine_port + 1}", "--source", "engine-a", "--to", bus,
+         "--metrics-port", str(metrics_port)],
     )  # fmt: skip
     try:
         from vllm.distributed.kv_events import BlockStored as VStored
@@ -105,6 +108,12 @@ def test_bridge_command_forwards_a_stock_publisher(tmp_path: Path) -> None:
         hashes = [m.body.events[0].block_hashes for m in kv_messages(items)]  # type: ignore[union-attr]
         assert hashes == [[0], [1], [2], [3], [4]]
         assert {m.source for m in kv_messages(items)} == {"engine-a"}
+        # Its /metrics: the five batches and SourceStarted, all sent.
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read()
+        sent = 'kvbus_publisher_sent_total{source="engine-a",stream="kv"} 6.0'
+        dropped = 'kvbus_publisher_dropped_total{source="engine-a",stream="kv"} 0.0'
+        assert sent in scraped.decode().splitlines()
+        assert dropped in scraped.decode().splitlines()
     finally:
         bridge.terminate()
         bridge.wait(10)

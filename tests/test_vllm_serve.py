@@ -87,3 +87,25 @@ async def test_kv_events_and_load_arrive_from_vllm_serve(
     info = r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"'
     blocks = re.search(info, text.decode(), re.M)
     assert blocks is not None and loads[-1].kv_cache_blocks == int(blocks.group(1)) > 0
+
+    # The bus's own series on vLLM's endpoint: the engine-core process's KV publisher
+    # (reported through KVBUS_METRICS_DIR) sent every message the bus holds from it, and
+    # the front end's load publisher is there too.
+    def sent(stream: str, page: str) -> float:
+        line = rf'^kvbus_publisher_sent_total\{{source="{SOURCE}",stream="{stream}"\}} (\S+)$'
+        found = re.search(line, page, re.M)
+        assert found is not None, f"no kvbus_publisher_sent_total for {stream}"
+        return float(found.group(1))
+
+    page = ""
+    for _ in range(50):  # the engine core writes its report once a second
+        page = (await asyncio.to_thread(urllib.request.urlopen, f"{served}/metrics")).read()
+        page = page.decode()
+        if "kvbus_publisher_sent_total" in page and sent("kv", page) == len(kv):
+            break
+        await asyncio.sleep(0.2)
+    assert sent("kv", page) == len(kv)
+    assert re.search(
+        rf'^kvbus_publisher_dropped_total\{{source="{SOURCE}",stream="kv"\}} 0\.0$', page, re.M
+    )
+    assert sent("metrics", page) >= len(metrics)

@@ -1,0 +1,123 @@
+"""The Prometheus side of `kvbus.metrics` (imported only when a collector is built)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvbus.metrics import (
+    APPEND_BUCKETS,
+    PublisherSample,
+    Report,
+    SubscriberSample,
+    merge_publishers,
+    merge_subscribers,
+)
+
+_PUBLISHER_COUNTERS = (
+    ("published", "Messages accepted by publish()."),
+    ("sent", "Messages the transport accepted."),
+    ("dropped", "Messages lost: queue full, closed, oversized or unsent at close."),
+    ("send_errors", "Failed append attempts (each is retried)."),
+    ("reconnects", "Appends that succeeded after failed attempts: the backend came back."),
+)
+_PUBLISHER_GAUGES = (
+    ("queue_messages", "Messages queued, not yet sent."),
+    ("queue_bytes", "Payload bytes queued, not yet sent."),
+)
+
+
+class BusCollector(Collector):
+    def __init__(self, reports: Callable[[], list[Report]]) -> None:
+        self._reports = reports
+
+    def collect(self) -> Iterator[Metric]:
+        reports = self._reports()
+        publishers = merge_publishers(p for r in reports for p in r.publishers)
+        yield from _publisher_metrics(list(publishers.values()))
+        subscribers = merge_subscribers(s for r in reports for s in r.subscribers)
+        yield from _subscriber_metrics(list(subscribers.values()))
+
+
+def _publisher_metrics(samples: list[PublisherSample]) -> Iterator[Metric]:
+    labels = ["stream", "source"]
+    for name, doc in _PUBLISHER_COUNTERS:
+        counter = CounterMetricFamily(f"kvbus_publisher_{name}", doc, labels=labels)
+        for s in samples:
+            counter.add_metric([s.stream, s.source], getattr(s, name))
+        yield counter
+    for name, doc in _PUBLISHER_GAUGES:
+        gauge = GaugeMetricFamily(f"kvbus_publisher_{name}", doc, labels=labels)
+        for s in samples:
+            gauge.add_metric([s.stream, s.source], getattr(s, name))
+        yield gauge
+    histogram = HistogramMetricFamily(
+        "kvbus_publisher_append_seconds",
+        "Time from an append's first try to the transport's acknowledgement.",
+        labels=labels,
+    )
+    for s in samples:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, APPEND_BUCKETS), "+Inf"), s.append_counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        histogram.add_metric([s.stream, s.source], buckets, s.append_sum)
+    yield histogram
+
+
+def _subscriber_metrics(samples: list[SubscriberSample]) -> Iterator[Metric]:
+    stream = ["stream"]
+
+    def counter(name: str, doc: str, value: Callable[[SubscriberSample], int]) -> Metric:
+        family = CounterMetricFamily(f"kvbus_subscriber_{name}", doc, labels=stream)
+        for s in samples:
+            family.add_metric([s.stream], value(s))
+        return family
+
+    yield counter("delivered", "Messages delivered to the consumer.", lambda s: s.delivered)
+    yield counter("duplicates", "Copies dropped.", lambda s: s.duplicates)
+    yield counter(
+        "transport_errors", "Reads that failed and were retried.", lambda s: s.transport_errors
+    )
+    resyncs = CounterMetricFamily(
+        "kvbus_subscriber_resyncs",
+        "Resyncs delivered, by reason (new_epoch, gap, dropped, joined, malformed).",
+        labels=["stream", "reason"],
+    )
+    gaps = CounterMetricFamily(
+        "kvbus_subscriber_gaps",
+        "Gaps in a source's seqs: repaired from history, or declared lost.",
+        labels=["stream", "outcome"],
+    )
+    rejected = CounterMetricFamily(
+        "kvbus_subscriber_rejected",
+        "Messages counted and skipped, by reason.",
+        labels=["stream", "reason"],
+    )
+    lag_seconds = GaugeMetricFamily(
+        "kvbus_subscriber_lag_seconds",
+        "Delivery time minus publish time of the last delivered message.",
+        labels=stream,
+    )
+    lag_messages = GaugeMetricFamily(
+        "kvbus_subscriber_lag_messages",
+        "Messages read from the transport, not yet delivered to the consumer.",
+        labels=stream,
+    )
+    for s in samples:
+        for reason, count in sorted(s.resyncs.items()):
+            resyncs.add_metric([s.stream, reason], count)
+        gaps.add_metric([s.stream, "repaired"], s.gaps_repaired)
+        gaps.add_metric([s.stream, "lost"], s.gaps_lost)
+        for reason, count in sorted(s.rejected.items()):
+            rejected.add_metric([s.stream, reason], count)
+        lag_seconds.add_metric([s.stream], s.lag_seconds)
+        lag_messages.add_metric([s.stream], s.lag_messages)
+    yield from (resyncs, gaps, rejected, lag_seconds, lag_messages)

@@ -1,0 +1,388 @@
+"""Bus metrics: what this process's publishers and subscriptions count, as Prometheus
+series named ``kvbus_publisher_*`` and ``kvbus_subscriber_*``.
+
+Every `kvbus.Publisher` and `kvbus.Subscription` is tracked (weakly) from its creation,
+so any consumer exposes the bus by registering one collector::
+
+    kvbus.metrics.register()             # into prometheus_client's default REGISTRY
+    kvbus.metrics.register(my_registry)  # or another one
+
+``kvbus router`` and ``kvbus bridge --metrics-port`` serve them on their ``/metrics``;
+inside vLLM the kvbus stat logger registers them on vLLM's own endpoint. vLLM publishes
+KV events from its engine-core process while its ``/metrics`` is served by the front
+end, so processes given ``KVBUS_METRICS_DIR`` (set by the vLLM plugin) write a `Report`
+of their bus objects there once a second, and the collector adds the reports of the
+other live processes to its own.
+
+Series (labels ``stream`` and ``source`` for publishers, ``stream`` for subscribers):
+
+- ``kvbus_publisher_published_total``, ``_sent_total``, ``_dropped_total``,
+  ``_send_errors_total``, ``_reconnects_total`` (appends that succeeded after failures:
+  the backend came back), ``_queue_messages`` and ``_queue_bytes`` (waiting to be sent),
+  ``_append_seconds`` (histogram: one append from its first try to its acknowledgement).
+- ``kvbus_subscriber_delivered_total``, ``_resyncs_total{reason}``,
+  ``_gaps_total{outcome="repaired"|"lost"}``, ``_duplicates_total``,
+  ``_rejected_total{reason}`` (malformed, oversized, future_version, unknown_kind,
+  implausible, forged, stale), ``_transport_errors_total``, ``_lag_seconds`` (the last
+  delivered message's delivery time minus its publish time: how far behind the live
+  edge the consumer reads) and ``_lag_messages`` (messages read from the transport and
+  not yet delivered to the consumer).
+
+Importing this module imports no Prometheus code; `collector` does, on first use.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+    from kvbus.publisher import Publisher, PublisherStats
+    from kvbus.subscribe import Subscription, SubscriptionStats
+
+log = logging.getLogger("kvbus.metrics")
+
+METRICS_DIR_ENV: Final = "KVBUS_METRICS_DIR"
+APPEND_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+"""Upper bounds (seconds) of the append latency histogram's buckets (+Inf is implied)."""
+REPORT_INTERVAL: Final = 1.0
+MAX_REPORT_BYTES: Final = 1 << 20
+"""A report file larger than this is not read (they are a few hundred bytes per object)."""
+
+
+class LatencyHistogram:
+    """Cumulative-at-read histogram with fixed buckets, cheap enough for a sender thread
+    (one bisect and two adds per observation, no lock: one writer)."""
+
+    def __init__(self, bounds: tuple[float, ...] = APPEND_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+
+class PublisherSample(msgspec.Struct, frozen=True):
+    stream: str
+    source: str
+    published: int
+    sent: int
+    dropped: int
+    send_errors: int
+    reconnects: int
+    queue_messages: int
+    queue_bytes: int
+    append_counts: list[int]
+    """Per bucket of `APPEND_BUCKETS`, then +Inf; not cumulative."""
+    append_sum: float
+
+
+class SubscriberSample(msgspec.Struct, frozen=True):
+    stream: str
+    delivered: int
+    resyncs: dict[str, int]
+    gaps_repaired: int
+    gaps_lost: int
+    duplicates: int
+    rejected: dict[str, int]
+    transport_errors: int
+    lag_seconds: float
+    lag_messages: int
+
+
+class Report(msgspec.Struct, frozen=True):
+    """What one process's bus objects counted, as written to ``KVBUS_METRICS_DIR``."""
+
+    pid: int
+    publishers: list[PublisherSample]
+    subscribers: list[SubscriberSample]
+
+
+_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
+_subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
+# What objects that were garbage-collected had counted, so that no counter goes down
+# when one goes (the router's history read ends before its live read begins).
+_retired_publishers: dict[tuple[str, str], PublisherSample] = {}
+_retired_subscribers: dict[str, SubscriberSample] = {}
+_retired_lock = threading.Lock()
+
+
+def track_publisher(publisher: Publisher) -> None:
+    _publishers.add(publisher)
+    weakref.finalize(
+        publisher,
+        _retire_publisher,
+        publisher.stream,
+        publisher.source,
+        publisher.stats,
+        publisher.append_latency,
+    )
+
+
+def track_subscription(subscription: Subscription) -> None:
+    _subscriptions.add(subscription)
+    weakref.finalize(subscription, _retire_subscriber, subscription.stream, subscription.stats)
+
+
+def _retire_publisher(
+    stream: str, source: str, stats: PublisherStats, latency: LatencyHistogram
+) -> None:
+    sample = _publisher_sample(stream, source, stats, latency, 0, 0)
+    with _retired_lock:
+        _retired_publishers.update(merge_publishers([*_retired_publishers.values(), sample]))
+
+
+def _retire_subscriber(stream: str, stats: SubscriptionStats) -> None:
+    sample = _subscriber_sample(stream, stats, 0)
+    with _retired_lock:
+        _retired_subscribers.update(merge_subscribers([*_retired_subscribers.values(), sample]))
+        _retired_subscribers[stream] = msgspec.structs.replace(
+            _retired_subscribers[stream], lag_seconds=0.0
+        )
+
+
+def _publisher_sample(
+    stream: str,
+    source: str,
+    stats: PublisherStats,
+    latency: LatencyHistogram,
+    queue_messages: int,
+    queue_bytes: int,
+) -> PublisherSample:
+    return PublisherSample(
+        stream=stream,
+        source=source,
+        published=stats.published,
+        sent=stats.sent,
+        dropped=stats.dropped,
+        send_errors=stats.send_errors,
+        reconnects=stats.reconnects,
+        queue_messages=queue_messages,
+        queue_bytes=queue_bytes,
+        append_counts=list(latency.counts),
+        append_sum=latency.sum,
+    )
+
+
+_REJECTIONS: Final = (
+    "malformed",
+    "oversized",
+    "future_version",
+    "unknown_kind",
+    "implausible",
+    "forged",
+    "stale",
+)
+
+
+def _subscriber_sample(stream: str, stats: SubscriptionStats, backlog: int) -> SubscriberSample:
+    return SubscriberSample(
+        stream=stream,
+        delivered=stats.delivered,
+        resyncs=dict(stats.resyncs_by_reason),
+        gaps_repaired=stats.gaps_repaired,
+        gaps_lost=stats.gaps_lost,
+        duplicates=stats.duplicates,
+        rejected={name: getattr(stats, name) for name in _REJECTIONS},
+        transport_errors=stats.transport_errors,
+        lag_seconds=stats.lag_seconds,
+        lag_messages=backlog,
+    )
+
+
+def report() -> Report:
+    """This process's bus objects, now."""
+    publishers = [
+        _publisher_sample(
+            p.stream, p.source, p.stats, p.append_latency, p.queue_messages, p.queue_bytes
+        )
+        for p in list(_publishers)
+    ]
+    subscribers = [_subscriber_sample(s.stream, s.stats, s.backlog) for s in list(_subscriptions)]
+    with _retired_lock:
+        publishers += _retired_publishers.values()
+        subscribers += _retired_subscribers.values()
+    return Report(os.getpid(), publishers, subscribers)
+
+
+# --- reports between processes ----------------------------------------------------------
+
+_report_decoder: Final = msgspec.msgpack.Decoder(Report)
+_reporter_started: set[str] = set()
+_reporter_lock = threading.Lock()
+
+
+def start_reporting(directory: str | os.PathLike[str]) -> None:
+    """Write this process's `report` to ``directory`` every `REPORT_INTERVAL` seconds
+    (a daemon thread; once per directory and process)."""
+    path = Path(directory)
+    with _reporter_lock:
+        key = f"{os.getpid()}:{path}"
+        if key in _reporter_started:
+            return
+        _reporter_started.add(key)
+    thread = threading.Thread(
+        target=_report_forever, args=(path,), name="kvbus-metrics-report", daemon=True
+    )
+    thread.start()
+
+
+def _report_forever(directory: Path) -> None:
+    target = directory / f"{os.getpid()}.msgpack"
+    while True:
+        try:
+            write_report(target)
+        except OSError as error:  # the directory went away: the front end stopped
+            log.debug("kvbus: cannot write metrics report %s: %s", target, error)
+        time.sleep(REPORT_INTERVAL)
+
+
+def write_report(target: Path) -> None:
+    data = msgspec.msgpack.encode(report())
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False, suffix=".tmp") as f:
+        f.write(data)
+    os.replace(f.name, target)  # readers see the old report or the new one, never half
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reports_in(directory: str | os.PathLike[str]) -> Iterator[Report]:
+    """The reports of other live processes in ``directory``; those of dead processes are
+    removed, unreadable ones skipped."""
+    own = os.getpid()
+    for path in Path(directory).glob("*.msgpack"):
+        try:
+            pid = int(path.stem)
+        except ValueError:
+            continue
+        if pid == own:
+            continue
+        if pid <= 0 or not _alive(pid):
+            with contextlib.suppress(OSError):
+                path.unlink()
+            continue
+        try:
+            with path.open("rb") as f:
+                data = f.read(MAX_REPORT_BYTES + 1)
+            if len(data) > MAX_REPORT_BYTES:
+                continue
+            found = _report_decoder.decode(data)
+        except (OSError, msgspec.DecodeError):
+            continue
+        if found.pid == pid:
+            yield found
+
+
+# --- Prometheus -------------------------------------------------------------------------
+
+
+def collector(directory: str | os.PathLike[str] | None = None) -> Any:
+    """A prometheus_client collector of this process's bus objects, plus the reports
+    of other processes in ``directory`` (default ``$KVBUS_METRICS_DIR``, if set)."""
+    from kvbus._prometheus import BusCollector
+
+    if directory is None:
+        directory = os.environ.get(METRICS_DIR_ENV) or None
+    return BusCollector(lambda: _reports(directory))
+
+
+def _reports(directory: str | os.PathLike[str] | None) -> list[Report]:
+    reports = [report()]
+    if directory is not None:
+        reports.extend(reports_in(directory))
+    return reports
+
+
+_registered: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def register(
+    registry: CollectorRegistry | None = None, directory: str | os.PathLike[str] | None = None
+) -> None:
+    """Register the bus collector in ``registry`` (default: prometheus_client's
+    REGISTRY) once; later calls for the same registry do nothing."""
+    if registry is None:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY
+    with _reporter_lock:
+        if registry in _registered:
+            return
+        bus = collector(directory)
+        registry.register(bus)
+        _registered[registry] = bus
+
+
+def serve_http(port: int, host: str = "127.0.0.1") -> int:
+    """Serve the bus series on ``http://host:port/metrics`` from a daemon thread (for
+    processes with no HTTP server of their own, such as ``kvbus bridge``); returns the
+    port (``port=0`` picks a free one)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    register(registry)
+    server, _ = start_http_server(port, host, registry)
+    return int(server.server_port)
+
+
+def merge_publishers(samples: Iterable[PublisherSample]) -> dict[tuple[str, str], PublisherSample]:
+    """Samples by (stream, source); two objects with the same labels are summed."""
+    merged: dict[tuple[str, str], PublisherSample] = {}
+    for sample in samples:
+        key = (sample.stream, sample.source)
+        seen = merged.get(key)
+        if seen is not None:
+            sample = _sum_structs(seen, sample)
+        merged[key] = sample
+    return merged
+
+
+def merge_subscribers(samples: Iterable[SubscriberSample]) -> dict[str, SubscriberSample]:
+    merged: dict[str, SubscriberSample] = {}
+    for sample in samples:
+        seen = merged.get(sample.stream)
+        if seen is not None:
+            sample = _sum_structs(seen, sample)
+        merged[sample.stream] = sample
+    return merged
+
+
+def _sum_structs(a: Any, b: Any) -> Any:
+    """Field-wise sum of two samples of the same type (lags: the larger)."""
+    values: dict[str, Any] = {}
+    for name in a.__struct_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if name.startswith("lag_"):
+            values[name] = max(x, y)
+        elif isinstance(x, str):
+            values[name] = x
+        elif isinstance(x, dict):
+            values[name] = {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}}
+        elif isinstance(x, list):
+            values[name] = [i + j for i, j in zip(x, y, strict=False)]
+        else:
+            values[name] = x + y
+    return type(a)(**values)
