@@ -23,6 +23,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,8 +240,9 @@ class Cluster:
             await asyncio.to_thread(server.reset_prefix_cache)
             await asyncio.to_thread(server.complete, WARM_UP)
 
-    def start_router(self, policy: str) -> RouterProcess | PeerRouter:
-        """The router of ``policy`` (kvbus's, or a peer run of `PEERS`), ready."""
+    def start_router(self, policy: str, extra: Sequence[str] = ()) -> RouterProcess | PeerRouter:
+        """The router of ``policy`` (kvbus's, or a peer run of `PEERS`), ready;
+        ``extra``: more arguments for kvbus's."""
         if policy in PEERS:
             kind, name = PEERS[policy]
             zmq = {s.source: s.zmq_endpoints for s in self.servers if name == "kv_aware"}
@@ -253,7 +255,7 @@ class Cluster:
             peer.start()
             return peer
         router = RouterProcess(
-            self.directory, self.workers, policy, self.nats.url, extra=self.router_args
+            self.directory, self.workers, policy, self.nats.url, extra=[*self.router_args, *extra]
         )
         router.launch()
         try:
@@ -267,12 +269,18 @@ class Cluster:
         self, policy: str, requests: list[Request], concurrency: int, replicas: int = 1
     ) -> Row:
         """The requests through ``replicas`` routers of ``policy`` (each request to the
-        next one), on freshly emptied caches."""
+        next one), on freshly emptied caches. kvbus's replicas share their requests in
+        flight on the bus (``--routes-stream``), except for policy ``kv-unshared``."""
         await self.fresh_caches()
         routers: list[RouterProcess | PeerRouter] = []
         try:
-            for _ in range(replicas):
-                routers.append(await asyncio.to_thread(self.start_router, policy))
+            for number in range(replicas):
+                name, extra = policy, []
+                if policy == "kv-unshared":
+                    name = "kv"
+                elif policy not in PEERS and replicas > 1:
+                    extra = ["--routes-stream", "routes", "--replica", f"replica-{number}"]
+                routers.append(await asyncio.to_thread(self.start_router, name, extra))
             hits, queries = self.engine_counters()
             started = time.perf_counter()
             results = await run([r.url for r in routers], requests, str(self.model), concurrency)

@@ -33,6 +33,8 @@ class Kind(enum.IntEnum):
     CONNECTOR = 4
     """A ``ConnectorBatch`` payload: one engine step's KV transfers and connector stats
     (kvbus >= 0.2; older consumers count and skip it as an unknown kind)."""
+    ROUTES = 5
+    """A ``RouteEvent`` payload: a router replica's request in flight (kvbus >= 0.3)."""
 
 
 class Envelope(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

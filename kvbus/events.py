@@ -291,6 +291,31 @@ def decode_kv_batch(payload: bytes) -> tuple[KVEventBatch, int]:
     return KVEventBatch(raw.ts, kept, raw.data_parallel_rank), len(raw.events) - len(kept)
 
 
+class RouteEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """One router replica's request in flight (the ``routes`` stream), so that replicas
+    behind one address count each other's requests as their own: ``routed`` (sent to
+    ``worker``, its prompt's block ``keys`` about to be cached there), ``started``
+    (streaming: prefill done), ``finished``."""
+
+    ts: float
+    request: int
+    """The replica's own number for the request."""
+    phase: str
+    worker: str = ""
+    keys: list[int] = []
+    """The prompt's chained block keys (`kvbus.index.PrefixIndex.keys`)."""
+    prefill_blocks: float = 0.0
+    new_blocks: int = 0
+
+
+_routes_decoder: Final = msgspec.msgpack.Decoder(RouteEvent)
+
+
+@nesting_is_malformed
+def decode_routes(payload: bytes) -> RouteEvent:
+    return _routes_decoder.decode(payload)
+
+
 @nesting_is_malformed
 def decode_metrics(payload: bytes) -> LoadMetrics:
     return _metrics_decoder.decode(payload)

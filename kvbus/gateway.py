@@ -50,7 +50,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import aiohttp
 import prometheus_client as prom
@@ -58,6 +58,7 @@ from aiohttp import web
 
 import kvbus
 import kvbus.metrics
+from kvbus.envelope import Kind
 from kvbus.router import CostWeights, Decision, Policy, Router
 from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
@@ -146,6 +147,9 @@ class Metrics:
         self.unchained = gauge(
             "unchained_blocks", "Stored blocks skipped: their parent was never seen"
         )
+        self.peer_requests = gauge(
+            "peer_requests", "Other replicas' requests in flight, counted here (--routes-stream)"
+        )
 
     def observe_prediction(self, decision: Decision, reported: int) -> None:
         labels = (decision.worker, decision.policy.value)
@@ -218,8 +222,14 @@ class RouterApp:
         body_timeout: float = 30.0,
         max_tokenize_bytes: int = 2**20,
         connector_stream: str | None = None,
+        routes_stream: str | None = None,
+        replica: str | None = None,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
+        self.routes_stream = routes_stream
+        """Where replicas behind one address share their requests in flight."""
+        self.replica = replica
+        self.routes: kvbus.Publisher | None = None
         self.router = router
         self.url = url
         self.tokenizer_path = tokenizer
@@ -275,12 +285,22 @@ class RouterApp:
         ]
         if self.connector_metrics is not None:
             self._tasks.append(asyncio.create_task(self._follow_connector()))
+        if self.routes_stream:
+            routes = self.routes = kvbus.Publisher(
+                self.url, stream=self.routes_stream, source=self.replica
+            )
+            self.router.replica = routes.source
+            self.router.share = lambda event: routes.publish(event, Kind.ROUTES)
+            self._tasks.append(asyncio.create_task(self._follow_routes()))
         for task in self._tasks:
             task.add_done_callback(_report_failure)
         yield
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.routes is not None:
+            self.router.share = None
+            await self.routes.aclose()  # SourceStopped: the others forget its requests
         await self.session.close()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
@@ -303,6 +323,14 @@ class RouterApp:
         """The connector stream's retained history, then its live tail, into /metrics."""
         assert self.connector_metrics is not None and self.connector_stream
         await self._read(self.connector_stream, None, True, self.connector_metrics.apply)
+
+    async def _follow_routes(self) -> None:
+        """Other replicas' requests in flight, from now on (older ones are done or
+        will be soon); a lost event is not worth waiting for."""
+        assert self.routes_stream
+        await self._read(
+            self.routes_stream, "latest", True, self.router.apply_routes, 0, known=lambda _: True
+        )
 
     async def _follow_metrics(self) -> None:
         """The metrics stream from ``stale_after`` seconds ago (older records would be
@@ -330,16 +358,19 @@ class RouterApp:
     async def _read(
         self,
         stream: str,
-        cursor: kvbus.Cursor | None,
+        cursor: kvbus.Cursor | Literal["latest"] | None,
         follow: bool,
         apply: Callable[[Message | Resync], None],
         gap_timeout: float | None = None,
         *,
         snapshot: bool = False,
+        known: Callable[[str], bool] | None = None,
     ) -> kvbus.Cursor:
         """Apply ``stream`` from ``cursor`` (to its end, or for good with ``follow``),
-        only configured workers' items; after a failure, resume where it stopped (so
-        nothing is applied twice). Returns the cursor after the end."""
+        only the items of sources ``known`` (default: configured workers); after a
+        failure, resume where it stopped (so nothing is applied twice). Returns the
+        cursor after the end."""
+        known = known or self._known
         options: dict[str, Any] = {"snapshot": snapshot}
         if gap_timeout is not None:
             options["gap_timeout"] = gap_timeout
@@ -348,7 +379,7 @@ class RouterApp:
             try:
                 async with sub:
                     async for item in sub:
-                        if not self._known(item.source):
+                        if not known(item.source):
                             continue
                         try:
                             apply(item)
@@ -568,6 +599,7 @@ class RouterApp:
         self.metrics.blocks.set(len(self.router.index))
         self.metrics.ready.set(int(self.ready))
         self.metrics.unchained.set(self.router.index.unchained)
+        self.metrics.peer_requests.set(self.router.peer_requests)
         return web.Response(
             body=prom.generate_latest(self.metrics.registry),
             headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
@@ -646,6 +678,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--connector-stream",
         default=os.environ.get("KVBUS_CONNECTOR_STREAM"),
         help="export the engines' KV connector transfers from this stream in /metrics",
+    )
+    parser.add_argument(
+        "--routes-stream",
+        help="replicas behind one address: share requests in flight on this stream "
+        "(the same for every replica, e.g. routes)",
+    )
+    parser.add_argument(
+        "--replica", help="this replica's source on --routes-stream (default hostname-pid)"
     )
     parser.add_argument(
         "--weight",
@@ -752,6 +792,8 @@ def build(args: argparse.Namespace) -> RouterApp:
         body_timeout=args.body_timeout,
         max_tokenize_bytes=args.max_tokenize_bytes,
         connector_stream=args.connector_stream,
+        routes_stream=args.routes_stream,
+        replica=args.replica,
     )
 
 

@@ -48,6 +48,7 @@ decision at a few tens of microseconds beyond the index lookup with 1,000 worker
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import random
 import time
@@ -59,12 +60,16 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvbus.events import KVEventBatch, LoadMetrics, SourceStopped
+from kvbus.events import KVEventBatch, LoadMetrics, RouteEvent, SourceStopped
 from kvbus.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex, mask_numbers
-from kvbus.subscribe import Message, Resync
+from kvbus.subscribe import Message, Resync, ResyncReason
 
 _MASK_CACHE: Final = 256
 _FEW: Final = 64
+MAX_PEER_REQUESTS: Final = 100_000
+"""Other replicas' requests in flight kept at most (all replicas together)."""
+MAX_PEER_KEYS: Final = 16_384
+"""Blocks of one peer request kept at most (a 512k-token prompt of 32-token blocks)."""
 
 
 class Policy(str, enum.Enum):
@@ -121,6 +126,10 @@ class Decision(msgspec.Struct, kw_only=True):
     keys: list[int] = []
     """The prompt's block keys, added to the worker's prefix while the request runs."""
     number: int = -1
+    request: int = 0
+    """This router's number for the request, when it shares its routes (``share``)."""
+    peer: str = ""
+    """The replica that routed it, for another replica's request; "" for this one's."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""
@@ -146,8 +155,26 @@ class Router:
         medium_weights: dict[str, float] | None = None,
         seed: int | None = 0,
         clock: Callable[[], float] = time.monotonic,
+        share: Callable[[RouteEvent], object] | None = None,
+        replica: str | None = None,
+        peer_timeout: float = 600.0,
     ) -> None:
         self.policy = Policy(policy)
+        self.share = share
+        """Called with each `RouteEvent` of this router's requests (replicas: publish
+        them on the routes stream for the others' `apply_routes`)."""
+        self.replica = replica
+        """This router's source on the routes stream (its own events are skipped)."""
+        self.peer_timeout = peer_timeout
+        """Seconds another replica's request counts at most (its end may be lost)."""
+        self.peer_rejected = 0
+        """Peer events refused: unknown worker, too many keys or requests in flight."""
+        self._requests = itertools.count(1)
+        self._peer_requests: dict[str, dict[int, Decision]] = {}
+        self._peer_count = 0
+        self._peer_deadlines: deque[tuple[float, str, Decision]] = deque()
+        self._load_workers: dict[str, int] = {}
+        """Workers that sent load records: only these may appear in peers' events."""
         self.weights = weights or CostWeights()
         self.index = PrefixIndex(block_size, medium_weights or DEFAULT_MEDIUM_WEIGHTS)
         self.stale_after = stale_after
@@ -223,6 +250,7 @@ class Router:
             return  # lost load records: the next one replaces them anyway
         if isinstance(item.body, LoadMetrics):
             number = self.index.worker_number(item.source)
+            self._load_workers[item.source] = number
             self._grow(number)
             self._metrics[number] = item.body
             self._fresh_until[number] = self._clock() + self.stale_after - max(0.0, age)
@@ -310,6 +338,25 @@ class Router:
                 break
             # Its metrics went stale since they arrived: out until the next ones.
             self._load[decision.number] = load[decision.number] = np.inf
+        self._assign(decision)
+        if self.share is not None:
+            decision.request = next(self._requests)
+            self.share(
+                RouteEvent(
+                    ts=time.time(),
+                    request=decision.request,
+                    phase="routed",
+                    worker=decision.worker,
+                    keys=keys,
+                    prefill_blocks=decision.prefill_blocks,
+                    new_blocks=decision.new_blocks,
+                )
+            )
+        return decision
+
+    def _assign(self, decision: Decision) -> None:
+        """Count ``decision``'s request on its worker until it finishes: queued for
+        prefill, its blocks about to be cached there."""
         number = decision.number
         queued = self._queued.setdefault(number, [0, 0.0])
         queued[0] += 1
@@ -317,13 +364,12 @@ class Router:
         self._inserted[number] += decision.new_blocks
         pending = self._pending.setdefault(number, {})
         masks, bit = self._pending_masks, 1 << number
-        for key in keys:
+        for key in decision.keys:
             count = pending.get(key, 0)
             if not count:
                 masks[key] = masks.get(key, 0) | bit
             pending[key] = count + 1
         self._refresh(number)
-        return decision
 
     def _choose(
         self, load: npt.NDArray[np.float64], keys: list[int], prompt_tokens: int
@@ -449,10 +495,16 @@ class Router:
         queued[1] = max(0.0, queued[1] - decision.prefill_blocks)
         self._streaming[number] = self._streaming.get(number, 0) + 1
         self._refresh(number)
+        self._tell(decision, "started")
+
+    def _tell(self, decision: Decision, phase: str) -> None:
+        if self.share is not None and decision.request and not decision.peer:
+            self.share(RouteEvent(ts=time.time(), request=decision.request, phase=phase))
 
     def finished(self, decision: Decision) -> None:
         """The request of ``decision`` ended (any way): its load goes now, its prefix
         blocks stay assumed for ``linger`` seconds, until the engine's events tell."""
+        self._tell(decision, "finished")
         number = decision.number
         if decision.streaming:
             self._streaming[number] -= 1
@@ -478,7 +530,85 @@ class Router:
             decision.keys = unconfirmed
             self._finishing.append((now + self.linger, decision))
 
+    # --- other replicas ----------------------------------------------------------------
+
+    def apply_routes(self, item: Message | Resync) -> None:
+        """Apply one item of the routes stream: another replica's request routed,
+        started or finished counts as if this router had routed it. A replica that
+        restarted or stopped takes its requests with it; one whose end was lost counts
+        for ``peer_timeout`` seconds at most."""
+        if item.source == self.replica:
+            return
+        if isinstance(item, Resync):
+            if item.reason is ResyncReason.NEW_EPOCH:
+                self._forget_peer(item.source)
+            return
+        body = item.body
+        if isinstance(body, SourceStopped):
+            self._forget_peer(item.source)
+            return
+        if not isinstance(body, RouteEvent):
+            return
+        requests = self._peer_requests.setdefault(item.source, {})
+        if body.phase == "routed":
+            self._add_peer_request(item.source, requests, body)
+            return
+        decision = requests.get(body.request)
+        if decision is None:
+            return
+        if body.phase == "started":
+            self.started(decision)
+        elif body.phase == "finished":
+            del requests[body.request]
+            self._peer_count -= 1
+            self.finished(decision)
+
+    def _add_peer_request(
+        self, peer: str, requests: dict[int, Decision], event: RouteEvent
+    ) -> None:
+        number = self._load_workers.get(event.worker)
+        if (
+            number is None
+            or len(event.keys) > MAX_PEER_KEYS
+            or self._peer_count >= MAX_PEER_REQUESTS
+            or event.request in requests
+        ):
+            self.peer_rejected += 1
+            return
+        blocks = len(event.keys)
+        prefill = event.prefill_blocks if math.isfinite(event.prefill_blocks) else 0.0
+        decision = Decision(
+            worker=event.worker,
+            policy=self.policy,
+            prompt_tokens=0,
+            matched_tokens=0,
+            predicted_cached_tokens=0,
+            cost=0.0,
+            prefill_blocks=min(max(prefill, 0.0), float(blocks)),
+            new_blocks=min(max(event.new_blocks, 0), blocks),
+            keys=event.keys,
+            number=number,
+            request=event.request,
+            peer=peer,
+        )
+        requests[event.request] = decision
+        self._peer_count += 1
+        self._peer_deadlines.append((self._clock() + self.peer_timeout, peer, decision))
+        self._assign(decision)
+
+    def _forget_peer(self, peer: str) -> None:
+        for decision in self._peer_requests.pop(peer, {}).values():
+            self._peer_count -= 1
+            self.finished(decision)
+
     def _expire(self, now: float) -> None:
+        while self._peer_deadlines and self._peer_deadlines[0][0] <= now:
+            _, peer, decision = self._peer_deadlines.popleft()
+            requests = self._peer_requests.get(peer, {})
+            if requests.get(decision.request) is decision:  # not ended nor restarted
+                del requests[decision.request]
+                self._peer_count -= 1
+                self.finished(decision)
         while self._finishing and self._finishing[0][0] <= now:
             _, decision = self._finishing.popleft()
             self._release(decision.number, decision.keys)
@@ -506,6 +636,11 @@ class Router:
             del self._pending[number]
 
     # --- introspection ---------------------------------------------------------------
+
+    @property
+    def peer_requests(self) -> int:
+        """Other replicas' requests in flight, counted here."""
+        return self._peer_count
 
     def eligible(self) -> list[str]:
         """Workers that may get traffic now."""

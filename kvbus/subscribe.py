@@ -58,10 +58,12 @@ from kvbus.events import (
     ControlEvent,
     KVEventBatch,
     LoadMetrics,
+    RouteEvent,
     decode_connector,
     decode_control,
     decode_kv_batch,
     decode_metrics,
+    decode_routes,
 )
 from kvbus.logs import LimitedLog, shown
 from kvbus.retry import retry_forever
@@ -115,7 +117,7 @@ class Message(msgspec.Struct, frozen=True, gc=False):
     seq: int
     kind: Kind
     ts: float
-    body: KVEventBatch | LoadMetrics | ConnectorBatch | ControlEvent
+    body: KVEventBatch | LoadMetrics | ConnectorBatch | RouteEvent | ControlEvent
     payload: bytes
     """The payload exactly as published (for a vLLM batch: the engine's bytes)."""
     position: int | str
@@ -793,6 +795,8 @@ class Subscription:
                 return decode_control(envelope.payload)
             if envelope.kind == Kind.CONNECTOR:
                 return decode_connector(envelope.payload)
+            if envelope.kind == Kind.ROUTES:
+                return decode_routes(envelope.payload)
         except (msgspec.DecodeError, ValueError) as error:
             self.stats.malformed += 1
             _limited.warning(
