@@ -678,7 +678,8 @@ def _console() -> Any:
         raise SystemExit(
             "kvbus top needs: pip install 'kvbus[top]' (--json needs nothing)"
         ) from None
-    return Console()
+    # Printed to a file or a pipe: as wide as the table is, not 80 columns.
+    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 async def _live(watcher: Watcher, args: argparse.Namespace) -> int:
