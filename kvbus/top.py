@@ -20,6 +20,7 @@ import heapq
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -66,6 +67,7 @@ OTHER_MEDIUM: Final = "OTHER"
 a medium name longer than `_MAX_MEDIUM_NAME`): medium names come from the network."""
 _MAX_MEDIA: Final = 8
 _MAX_MEDIUM_NAME: Final = 16
+_DIGITS: Final = re.compile(r"(\d+)")
 _MAX_WINDOW_RECORDS: Final = 4096
 """Load records kept per worker for the hit-rate window (the stat logger sends at most
 4 a second: 17 minutes of them)."""
@@ -372,7 +374,7 @@ class Fleet:
         )
         key, descending = SORTS[sort]
         # None sorts last either way.
-        views.sort(key=lambda v: (v.source,))
+        views.sort(key=lambda v: _natural(v.source))
         views.sort(key=lambda v: _none_last(key(v), descending))
         shown = views if rows is None else views[: max(0, rows)]
         return TopReport(
@@ -393,6 +395,12 @@ def _age(now: float, ts: float | None) -> float | None:
 
 def _ratio(part: int, whole: int) -> float | None:
     return part / whole if whole > 0 else None
+
+
+def _natural(name: str) -> list[Any]:
+    """``engine-2`` before ``engine-10``: digit runs compare as numbers."""
+    # The split alternates text and digit runs, so lists compare like with like.
+    return [int(part) if i % 2 else part for i, part in enumerate(_DIGITS.split(name))]
 
 
 def _none_last(value: Any, descending: bool) -> tuple[bool, Any]:
@@ -525,7 +533,7 @@ def _media(report: TopReport) -> list[str]:
 
 
 def render(report: TopReport) -> RenderableType:
-    """The report as a header line and a table (rich renderables)."""
+    """The report as two header lines, a table and what it leaves out (rich)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -536,15 +544,17 @@ def render(report: TopReport) -> RenderableType:
         for s in (report.kv, report.metrics)
     )
     blocks = "  ".join(f"{m} {_count(n)}" for m, n in totals.blocks.items() if n) or "0"
-    header = Text.assemble(
-        ("kvbus top ", "bold"),
-        f"{report.url}  {totals.workers} workers ({totals.stale} not up)  blocks {blocks}  "
-        f"running {totals.running} waiting {totals.waiting}  "
-        f"hit {_percent(totals.hit_rate)} ({report.window_s:.0f}s)  "
-        f"newest event {_seconds(totals.newest_event_age_s)} ago  ",
+    title = Text.assemble(
+        ("kvbus top  ", "bold"),
+        f"{report.url}  {totals.workers} workers ({totals.stale} not up)  ",
         (f"drops {totals.drops}", "red" if totals.drops else ""),
         "  ",
         (f"malformed {malformed}", "red" if malformed else ""),
+    )
+    summary = Text(
+        f"blocks {blocks}  running {totals.running} waiting {totals.waiting}  "
+        f"hit {_percent(totals.hit_rate)} ({report.window_s:.0f}s)  "
+        f"newest event {_seconds(totals.newest_event_age_s)} ago"
     )
     media = _media(report)
     table = Table(box=None, header_style="bold", pad_edge=False)
@@ -570,7 +580,7 @@ def render(report: TopReport) -> RenderableType:
         table.add_row(*cells, style=style)
     hidden = totals.workers - len(report.workers)
     footer = Text(f"... {hidden} more workers (--rows, --sort)", style="dim") if hidden else ""
-    return Group(header, table, footer)
+    return Group(title, summary, table, footer)
 
 
 # --- the command -----------------------------------------------------------------------
@@ -660,14 +670,11 @@ async def _once(watcher: Watcher, args: argparse.Namespace) -> int:
 
 
 async def _json_lines(watcher: Watcher, args: argparse.Namespace) -> int:
-    following = asyncio.create_task(watcher.follow())
-    try:
-        while not following.done():
-            await asyncio.sleep(args.interval)
-            sys.stdout.buffer.write(_json.encode(watcher.report(args.sort, args.rows)) + b"\n")
-            sys.stdout.flush()
-    finally:
-        following.cancel()
+    def write() -> None:
+        sys.stdout.buffer.write(_json.encode(watcher.report(args.sort, args.rows)) + b"\n")
+        sys.stdout.flush()
+
+    await _every(args.interval, watcher, write)
     return 0
 
 
@@ -689,20 +696,28 @@ async def _live(watcher: Watcher, args: argparse.Namespace) -> int:
 
     # Log lines above the live table, not through it.
     logging.getLogger().handlers = [RichHandler(console=console, show_path=False)]
-    following = asyncio.create_task(watcher.follow())
 
     def frame() -> RenderableType:
-        rows = args.rows if args.rows is not None else max(3, console.height - 4)
+        # What fits under the header lines, the table's own and the footer.
+        rows = args.rows if args.rows is not None else max(3, console.height - 5)
         return render(watcher.report(args.sort, rows))
 
+    with Live(frame(), console=console, auto_refresh=False) as live:
+        await _every(args.interval, watcher, lambda: live.update(frame(), refresh=True))
+    return 0
+
+
+async def _every(interval: float, watcher: Watcher, draw: Callable[[], None]) -> None:
+    """Follow the streams and ``draw()`` every ``interval`` s, until interrupted (or the
+    following fails: then raise why)."""
+    following = asyncio.create_task(watcher.follow())
     try:
-        with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
-            while not following.done():
-                await asyncio.sleep(args.interval)
-                live.update(frame(), refresh=True)
+        while not following.done():
+            await asyncio.wait([following], timeout=interval)
+            draw()
+        following.result()
     finally:
         following.cancel()
-    return 0
 
 
 __all__ = [

@@ -315,28 +315,31 @@ def test_render_shows_columns_rows_and_what_is_left_out() -> None:
 
     fleet = Fleet()
     for i in range(300):
-        source = f"engine-{i:03}/dp0"
+        source = f"engine-{i}/dp0"
         fleet.apply_kv(message(source, batch(stored(list(range(i))), stored([0], "CPU", 0))))
         fleet.apply_metrics(message(source, load(i % 7, i % 3, i / 300, 100, i % 100)))
-    report = fleet.report(
+    streams = (
         StreamView(name="kv", stats=kvbus.SubscriptionStats(malformed=2)),
         StreamView(name="metrics", stats=kvbus.SubscriptionStats()),
-        url="redis://user:secret@bus:6379",
-        sort="gpu",
-        rows=5,
     )
+    url = "redis://user:secret@bus:6379"
+    report = fleet.report(*streams, url=url, sort="gpu", rows=5)
     console = Console(record=True, width=200, file=io.StringIO())
     console.print(render(report))
     text = console.export_text()
     lines = text.splitlines()
     assert "redis://user:***@bus:6379" in lines[0] and "secret" not in text
     assert "300 workers" in lines[0] and "malformed 2" in lines[0]
-    assert lines[1].split() == [
+    assert "running 897 waiting 300" in lines[1]  # sum(i % 7), sum(i % 3) over 300
+    assert lines[2].split() == [
         "worker", "GPU", "CPU", "hit", "run", "wait", "KV", "use", "lag", "drops", "beat", "state",
     ]  # fmt: skip
-    first = lines[2].split()
+    first = lines[3].split()
     # The most GPU blocks first: engine-299 holds 299, CPU 1, hit 99%, 299 % 7 running.
     assert first[:7] == ["engine-299/dp0", "299", "1", "99%", "5", "2", "100%"]
     assert first[-1] == "up"
     assert sum(line.startswith("engine-") for line in lines) == 5
     assert "295 more workers" in lines[-1]
+    # By name, digit runs as numbers.
+    names = [v.source for v in fleet.report(*streams, rows=4).workers]
+    assert names == ["engine-0/dp0", "engine-1/dp0", "engine-2/dp0", "engine-3/dp0"]
