@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from kvbus.config import redact_url, resolve_url
+from kvbus.config import redact_url, resolve_stream, resolve_url
 from kvbus.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -42,7 +42,7 @@ from kvbus.events import (
     SourceStarted,
     SourceStopped,
 )
-from kvbus.logs import shown
+from kvbus.logs import LimitedLog, shown
 from kvbus.subscribe import (
     DEFAULT_MAX_SOURCES,
     Cursor,
@@ -57,7 +57,7 @@ from kvbus.transports import open_transport
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-log = logging.getLogger("kvbus.top")
+_limited = LimitedLog(logging.getLogger("kvbus.top"))
 
 DEFAULT_WINDOW: Final = 60.0
 DEFAULT_STALE_AFTER: Final = 5.0
@@ -482,9 +482,10 @@ class Watcher:
             async for item in sub:
                 try:
                     apply(item)
-                except Exception:  # one bad item must not stop the view
+                except Exception as error:  # one bad item must not stop the view
                     self.fleet.bad_items += 1
-                    log.exception("kvbus top: could not apply an item of %s", shown(item.source))
+                    source = shown(item.source)
+                    _limited.warning("bad_item", "kvbus top: skipped %s's item: %r", source, error)
         return sub.cursor
 
     def stream_view(self, which: str) -> StreamView:
@@ -632,15 +633,18 @@ async def run(args: argparse.Namespace) -> int:
     if args.schema:
         sys.stdout.buffer.write(_json.encode(msgspec.json.schema(TopReport)) + b"\n")
         return 0
-    watcher = Watcher(
-        TopOptions(
+    try:
+        options = TopOptions(
             url=resolve_url(args.url),
-            kv_stream=args.kv_stream,
-            metrics_stream=args.metrics_stream,
+            kv_stream=resolve_stream(args.kv_stream),
+            metrics_stream=resolve_stream(args.metrics_stream),
             window=args.window,
             stale_after=args.stale_after,
         )
-    )
+    except ValueError as error:
+        raise SystemExit(f"kvbus top: {error}") from None
+    args.interval = max(0.05, args.interval)
+    watcher = Watcher(options)
     if args.once:
         return await _once(watcher, args)
     if args.json:

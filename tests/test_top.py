@@ -30,7 +30,7 @@ from kvbus.subscribe import Message, Resync, ResyncReason
 from kvbus.top import Fleet, StreamView, TopReport, WorkerView, render
 
 from .conftest import envelope
-from .servers import RedisServer
+from .servers import RedisServer, free_port
 
 A, B, C = "engine-a/dp0", "engine-a/dp1", "engine-b/dp0"
 _streams = iter(range(1_000_000))
@@ -343,3 +343,38 @@ def test_render_shows_columns_rows_and_what_is_left_out() -> None:
     # By name, digit runs as numbers.
     names = [v.source for v in fleet.report(*streams, rows=4).workers]
     assert names == ["engine-0/dp0", "engine-1/dp0", "engine-2/dp0", "engine-3/dp0"]
+
+
+# --- failures --------------------------------------------------------------------------
+
+
+def test_once_gives_up_on_a_bus_that_does_not_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["top", "--url", url, "--once", "--json", "--timeout", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"no history from {url}" in captured.err
+
+
+def test_a_bad_stream_name_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit, match="invalid stream name"):
+        main(["top", "--once", "--kv-stream", "a b"])
+
+
+def test_an_item_the_view_fails_on_is_counted_and_the_rest_shown(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    traffic = Traffic(memory_url, "kv", "metrics")
+    traffic.close()
+    apply_kv = Fleet.apply_kv
+
+    def fails_on_b(fleet: Fleet, item: Message | Resync) -> None:
+        if item.source == B:
+            raise RuntimeError("a bug")
+        apply_kv(fleet, item)
+
+    monkeypatch.setattr(Fleet, "apply_kv", fails_on_b)
+    assert main(["top", "--url", memory_url, "--once", "--json", "--settle", "0"]) == 0
+    report = msgspec.json.decode(capsysbinary.readouterr().out, type=TopReport)
+    rows = {v.source: v for v in report.workers}
+    assert report.bad_items == 4  # B's SourceStarted, two batches, SourceStopped
+    assert rows[A].blocks == {"GPU": 4, "CPU": 3} and rows[B].blocks == {}
