@@ -1,7 +1,8 @@
 """The ``kvbus`` command: ``kvbus tail`` prints a stream as JSON lines; ``kvbus demo``
 runs a publisher and a subscriber on the embedded bus and prints what arrives; ``kvbus
 bridge`` forwards stock vLLM ZMQ publishers; ``kvbus router`` runs the KV-aware router
-in front of vLLM servers (`kvbus.gateway`)."""
+in front of vLLM servers (`kvbus.gateway`); ``kvbus top`` shows the fleet's workers live
+(`kvbus.top`)."""
 
 from __future__ import annotations
 
@@ -189,6 +190,12 @@ async def _compact(args: argparse.Namespace) -> int:
     return await compact(args.url, args.stream, args.interval, follow=not args.once)
 
 
+async def _top(args: argparse.Namespace) -> int:
+    from kvbus import top
+
+    return await top.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbus")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -243,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         "--once", action="store_true", help="fold to the end of the stream, store, and stop"
     )
 
+    from kvbus import top
+
+    top.add_arguments(
+        commands.add_parser("top", help="a live view of the workers: blocks, hit rate, load, lag")
+    )
+
     router = commands.add_parser(
         "router", help="the KV- and load-aware OpenAI-compatible router for vLLM servers"
     )
@@ -264,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    run = {"tail": _tail, "demo": _demo, "bridge": _bridge, "compact": _compact}[args.command]
+    run = {"tail": _tail, "demo": _demo, "bridge": _bridge, "compact": _compact, "top": _top}[
+        args.command
+    ]
     try:
         return asyncio.run(run(args))
     except KeyboardInterrupt:
