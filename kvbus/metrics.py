@@ -43,7 +43,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgspec
 
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from kvbus.subscribe import Subscription, SubscriptionStats
 
 log = logging.getLogger("kvbus.metrics")
+_S = TypeVar("_S", bound=msgspec.Struct)
 
 METRICS_DIR_ENV: Final = "KVBUS_METRICS_DIR"
 APPEND_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
@@ -355,7 +356,7 @@ def merge_publishers(samples: Iterable[PublisherSample]) -> dict[tuple[str, str]
         key = (sample.stream, sample.source)
         seen = merged.get(key)
         if seen is not None:
-            sample = _sum_structs(seen, sample)
+            sample = add_counts(seen, sample)
         merged[key] = sample
     return merged
 
@@ -365,13 +366,14 @@ def merge_subscribers(samples: Iterable[SubscriberSample]) -> dict[str, Subscrib
     for sample in samples:
         seen = merged.get(sample.stream)
         if seen is not None:
-            sample = _sum_structs(seen, sample)
+            sample = add_counts(seen, sample)
         merged[sample.stream] = sample
     return merged
 
 
-def _sum_structs(a: Any, b: Any) -> Any:
-    """Field-wise sum of two samples of the same type (lags: the larger)."""
+def add_counts(a: _S, b: _S) -> _S:
+    """Field-wise sum of two structs of counters of the same type (samples,
+    `SubscriptionStats`): numbers and per-key maps added, ``lag_*`` the larger."""
     values: dict[str, Any] = {}
     for name in a.__struct_fields__:
         x, y = getattr(a, name), getattr(b, name)

@@ -43,6 +43,7 @@ from kvbus.events import (
     SourceStopped,
 )
 from kvbus.logs import LimitedLog, shown
+from kvbus.metrics import add_counts
 from kvbus.subscribe import (
     DEFAULT_MAX_SOURCES,
     Cursor,
@@ -492,8 +493,7 @@ class Watcher:
         name = self.options.kv_stream if which == "kv" else self.options.metrics_stream
         total = SubscriptionStats()
         for stats in self.stats[which]:
-            for field in SubscriptionStats.__struct_fields__:
-                setattr(total, field, getattr(total, field) + getattr(stats, field))
+            total = add_counts(total, stats)
         return StreamView(name=name, stats=total)
 
     def report(self, sort: str = "source", rows: int | None = None) -> TopReport:
