@@ -21,7 +21,9 @@ variant (completion, streamed completion): a warm-up, then ``--requests`` timed
 requests, the routers taking turns within a repeat. A request's latency is from the
 send to the last byte of the response. Added = router p50 (p99) less direct's p50 (p99)
 of the same repeat; the table shows the median over repeats and each added p50 as a
-multiple of sglang-router's.
+multiple of sglang-router's. CPU µs/request: the CPU time all threads of the router's
+processes spent per timed request (the stub's, for direct), which other load on the
+machine disturbs less than latency.
 
     python bench/bench_overhead.py [--repeats 5] [--requests 300] [--warmup 50]
         [--routers direct,kvbus,kvbus-asyncio,sglang-cache_aware,...] [--json FILE]
@@ -212,11 +214,28 @@ async def _serve_kvbus(port: int, workers: dict[str, str], tokenizer: str) -> No
 # --- the client ----------------------------------------------------------------------
 
 
-class Target:
-    """A router (or a stub worker, for ``direct``) the client measures."""
+def cpu_seconds(session: int) -> float:
+    """CPU time of every thread of every process in ``session`` (Linux /proc): a
+    router's cost, which other processes on a shared machine disturb less than its
+    latency."""
+    total_ns = 0
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if (
+                proc.name.isdigit()
+                and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3]) == session
+            ):
+                for task in (proc / "task").iterdir():
+                    total_ns += int((task / "schedstat").read_text().split()[0])
+    return total_ns / 1e9
 
-    def __init__(self, name: str, port: int, stop: Any = None) -> None:
-        self.name, self.port, self._stop = name, port, stop
+
+class Target:
+    """A router (or a stub worker, for ``direct``) the client measures; ``session``:
+    the process session whose CPU time it costs."""
+
+    def __init__(self, name: str, port: int, session: int, stop: Any = None) -> None:
+        self.name, self.port, self.session, self._stop = name, port, session, stop
         self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
     def request(self, body: bytes) -> float:
@@ -240,7 +259,10 @@ class Target:
 def _child(mode: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, __file__, *mode], stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, __file__, *mode],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a session of its own: its CPU time (cpu_seconds)
         )
 
 
@@ -259,7 +281,7 @@ def _wait_serving(port: int, body: bytes, process: subprocess.Popen[bytes], log:
         if process.poll() is not None:
             raise RuntimeError(f"exited ({process.returncode}): {log.read_text()[-2000:]}")
         with contextlib.suppress(OSError, RuntimeError, http.client.HTTPException):
-            probe = Target("probe", port)
+            probe = Target("probe", port, process.pid)
             probe.request(body)
             probe.close()
             return
@@ -281,7 +303,7 @@ def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
         peers = find_peers()
         for name in names:
             if name == "direct":
-                started.append(Target(name, ports[0]))
+                started.append(Target(name, ports[0], stub.pid))
             elif name in KVBUS_RUNS:
                 port, log = free_port(), log_dir / f"{name}.log"
                 tokenizer = log_dir / "tokenizer"
@@ -290,13 +312,14 @@ def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
                 worker_args = [f"--worker={w}={u}" for w, u in workers.items()]
                 mode = ["--kvbus", str(port), str(tokenizer), KVBUS_RUNS[name], *worker_args]
                 process = _child(mode, log)
-                started.append(Target(name, port, lambda p=process: _stop_child(p)))
+                started.append(Target(name, port, process.pid, lambda p=process: _stop_child(p)))
                 _wait_serving(port, probe, process, log)
             elif PEER_RUNS[name][0] in peers:
                 kind, policy = PEER_RUNS[name]
                 peer = PeerRouter(kind, policy, workers, MODEL, log_dir, log_level="warning")
                 peer.start()
-                started.append(Target(name, peer.port, peer.stop))
+                assert peer.process is not None  # in a session of its own
+                started.append(Target(name, peer.port, peer.process.pid, peer.stop))
             else:
                 print(f"{name}: not installed (examples/peers.py), skipped", file=sys.stderr)
         yield started
@@ -306,10 +329,13 @@ def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
         _stop_child(stub)
 
 
-def measure(target: Target, body: bytes, requests: int, warmup: int) -> list[float]:
+def measure(target: Target, body: bytes, requests: int, warmup: int) -> tuple[list[float], float]:
+    """Each request's latency, and the target's CPU seconds per request."""
     for _ in range(warmup):
         target.request(body)
-    return [target.request(body) for _ in range(requests)]
+    cpu = cpu_seconds(target.session)
+    latencies = [target.request(body) for _ in range(requests)]
+    return latencies, (cpu_seconds(target.session) - cpu) / requests
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -318,16 +344,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
-    """{variant: {router: {p50, p99, added_p50, added_p99}}} in ms, medians over repeats."""
-    samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    """{variant: {router: {p50, p99, added_p50, added_p99, cpu_us}}} (ms; cpu: µs per
+    request), medians over repeats."""
+    samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, targets(args.routers, Path(tmp)) as started:
         for repeat in range(args.repeats):
             for variant, request in VARIANTS.items():
                 body = json.dumps(request).encode()
                 for target in started:
-                    latencies = measure(target, body, args.requests, args.warmup)
+                    latencies, cpu = measure(target, body, args.requests, args.warmup)
                     p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
-                    samples.setdefault((variant, target.name), []).append((p50, p99))
+                    samples.setdefault((variant, target.name), []).append((p50, p99, cpu))
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
     table: dict[str, dict[str, dict[str, float]]] = {}
     for (variant, name), runs in samples.items():
@@ -337,20 +364,25 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
             "p99": 1e3 * statistics.median(r[1] for r in runs),
             "added_p50": 1e3 * statistics.median(r[0] - d[0] for r, d in pairs),
             "added_p99": 1e3 * statistics.median(r[1] - d[1] for r, d in pairs),
+            "cpu_us": 1e6 * statistics.median(r[2] for r in runs),
         }
     return table
 
 
 def print_table(table: dict[str, dict[str, dict[str, float]]]) -> None:
-    print("| variant | router | p50 ms | p99 ms | added p50 ms | added p99 ms | x sglang |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| variant | router | p50 ms | p99 ms | added p50 ms | added p99 ms | x sglang "
+        "| CPU µs/request |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for variant, rows in table.items():
         base = rows.get("sglang-cache_aware", {}).get("added_p50")
         for name, row in rows.items():
             ratio = f"{row['added_p50'] / base:.2f}" if base and name != "direct" else "-"
             print(
                 f"| {variant} | {name} | {row['p50']:.3f} | {row['p99']:.3f} | "
-                f"{row['added_p50']:.3f} | {row['added_p99']:.3f} | {ratio} |"
+                f"{row['added_p50']:.3f} | {row['added_p99']:.3f} | {ratio} | "
+                f"{row['cpu_us']:.0f} |"
             )
 
 
@@ -374,7 +406,12 @@ def main() -> None:
         port, tokenizer, loop = args.kvbus
         workers = dict(w.split("=", 1) for w in args.worker)
         serving = _serve_kvbus(int(port), workers, tokenizer)
-        uvloop.run(serving) if loop == "uvloop" else asyncio.run(serving)
+        if loop == "uvloop":
+            from kvbus.gateway import run as run_router  # as `kvbus router` runs
+
+            run_router(serving)
+        else:
+            asyncio.run(serving)
     else:
         table = run(args)
         print_table(table)
