@@ -290,6 +290,18 @@ def _wait_serving(port: int, body: bytes, process: subprocess.Popen[bytes], log:
         time.sleep(0.1)
 
 
+def _wait_healthy(port: int) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    for _ in range(600):
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        response.read()
+        if response.status == 200:
+            break
+        time.sleep(0.1)
+    connection.close()
+
+
 @contextlib.contextmanager
 def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
     ports = [free_port(), free_port()]
@@ -314,6 +326,7 @@ def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
                 process = _child(mode, log)
                 started.append(Target(name, port, process.pid, lambda p=process: _stop_child(p)))
                 _wait_serving(port, probe, process, log)
+                _wait_healthy(port)  # tokenizer loaded: until then it routes by load alone
             elif PEER_RUNS[name][0] in peers:
                 kind, policy = PEER_RUNS[name]
                 peer = PeerRouter(kind, policy, workers, MODEL, log_dir, log_level="warning")
