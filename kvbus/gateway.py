@@ -41,14 +41,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
+import gc
 import json
 import logging
 import os
 import re
 import signal
+import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, Literal
 
@@ -64,12 +67,22 @@ from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
 from kvbus.transports import open_transport
 
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _deadline
+else:  # aiohttp's own dependency before 3.11
+    from async_timeout import timeout as _deadline
+
 log = logging.getLogger("kvbus.router")
 _RANK: Final = re.compile(r"/dp(\d+)$")
 _STREAM_TAIL: Final = 8192
 _HOP_BY_HOP: Final = {
     "content-length", "transfer-encoding", "connection", "keep-alive", "server", "date",
 }  # fmt: skip
+_FORWARDED: Final = ("Content-Type", "Authorization", "Accept", "X-Request-Id")
+_INLINE_TOKENIZE_BYTES: Final = 2048
+"""Bodies up to this size (a few hundred tokens, ~0.1 ms) are tokenized on the event
+loop: the hop to a tokenizer thread and back costs more than that (and up to the GIL's
+5 ms switch interval when another thread holds it). Larger ones go to the threads."""
 _TOKEN_BUCKETS: Final = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ERROR_BUCKETS: Final = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 _TOKEN_LIMIT: Final = 2**32  # vLLM's token ids are unsigned 32-bit
@@ -168,6 +181,13 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self.hf: Any = AutoTokenizer.from_pretrained(path)
+        # transformers imported torch: ~400k objects that live as long as the process.
+        # Out of the collector's sight, a full collection no longer walks them all
+        # (~0.3 s, a stall of every request in flight). Thawed at exit, so that they are
+        # finalized as usual (triton's bindings report frozen ones as leaks).
+        gc.freeze()
+        atexit.unregister(gc.unfreeze)  # once, however many tokenizers load
+        atexit.register(gc.unfreeze)
 
     def completion(self, body: dict[str, Any]) -> list[int]:
         prompt = body["prompt"]
@@ -257,6 +277,7 @@ class RouterApp:
         self._tasks: list[asyncio.Task[None]] = []
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="kvbus-tokenize")
         self._head_timers: dict[Any, asyncio.TimerHandle] = {}
+        self._bases: dict[str, tuple[str, str | None]] = {}
         """Connections yet to send a whole request head, and when they must have."""
 
     # --- lifecycle -------------------------------------------------------------------
@@ -443,12 +464,15 @@ class RouterApp:
 
     async def _generate(self, request: web.Request, tokenize: Tokenize) -> web.StreamResponse:
         try:
-            raw = await asyncio.wait_for(request.read(), self.body_timeout)
+            async with _deadline(self.body_timeout):  # no task of its own, unlike wait_for
+                raw = await request.read()
         except TimeoutError:
             return error_body("The request body did not arrive in time.", "RequestTimeout", 408)
         started = time.perf_counter()
         if len(raw) > self.max_tokenize_bytes:
             read: tuple[list[int], str | None] | None = _LOAD_ONLY
+        elif len(raw) <= _INLINE_TOKENIZE_BYTES:
+            read = self._tokens(raw, tokenize)
         else:
             loop = asyncio.get_running_loop()
             read = await loop.run_in_executor(self._tokenizing, self._tokens, raw, tokenize)
@@ -504,45 +528,49 @@ class RouterApp:
         self, request: web.Request, raw: bytes, decision: Decision
     ) -> web.StreamResponse:
         assert self.session is not None
-        name = _RANK.sub("", decision.worker)
-        headers = {
-            k: v
-            for k, v in request.headers.items()
-            if k.lower() in ("content-type", "authorization", "accept", "x-request-id")
-        }
-        rank = _RANK.search(decision.worker)
-        if rank:
-            headers["X-data-parallel-rank"] = rank.group(1)
+        base, rank = self._upstream(decision.worker)
+        sent_headers = request.headers
+        headers = {k: sent_headers[k] for k in _FORWARDED if k in sent_headers}
+        if rank is not None:
+            headers["X-data-parallel-rank"] = rank
         labels = (decision.worker, decision.policy.value)
         sent = time.perf_counter()
         try:
-            upstream = await asyncio.wait_for(
-                self.session.post(self.workers[name] + request.path, data=raw, headers=headers),
-                self.worker_timeout,
-            )
+            async with _deadline(self.worker_timeout):
+                upstream = await self.session.post(base + request.path, data=raw, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as error:
             # Refused, dropped, silent or not HTTP, before anything reached the client.
             raise _Unreachable(repr(error)) from error
         async with upstream:
             self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
             streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            body: bytes | bytearray
             if streamed:
                 response, body = await self._relay_stream(request, upstream, decision)
             else:  # all of it first: a worker that breaks off is retried elsewhere
                 try:
-                    body = bytearray(await upstream.read())
+                    body = await upstream.read()
                 except aiohttp.ClientError as error:
                     raise _Unreachable(repr(error)) from error
                 self.router.started(decision)
-                response = web.Response(body=bytes(body), status=upstream.status)
+                response = web.Response(body=body, status=upstream.status)
                 self._copy_headers(upstream, response, decision)
         self.metrics.requests.labels(*labels, str(upstream.status)).inc()
         if upstream.status == 200:
             self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
-            reported = _cached_tokens(bytes(body), streamed)
+            reported = _cached_tokens(body, streamed)
             if reported is not None:
                 self.metrics.observe_prediction(decision, reported)
         return response
+
+    def _upstream(self, worker: str) -> tuple[str, str | None]:
+        """A worker's (``NAME/dpR``) base URL and data-parallel rank, remembered."""
+        known = self._bases.get(worker)
+        if known is None:
+            rank = _RANK.search(worker)
+            base = self.workers[_RANK.sub("", worker)]
+            known = self._bases[worker] = (base, rank.group(1) if rank else None)
+        return known
 
     @staticmethod
     def _copy_headers(
@@ -640,7 +668,7 @@ class _Unreachable(Exception):
     """The worker refused or dropped the connection before answering (safe to retry)."""
 
 
-def _cached_tokens(body: bytes, streamed: bool) -> int | None:
+def _cached_tokens(body: bytes | bytearray, streamed: bool) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` of a response (a stream's usage is
     in its last data event, sent with ``stream_options.include_usage``); None: no usage."""
     if streamed:
@@ -802,8 +830,20 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    asyncio.run(_serve_forever(build(args), args.host, args.port, args.header_timeout))
+    run(_serve_forever(build(args), args.host, args.port, args.header_timeout))
     return 0
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run the router's event loop: uvloop's where installed (``kvbus[router]``; it
+    takes about a third off the router's added latency, bench/bench_overhead.py),
+    else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def main(argv: list[str] | None = None) -> int:
