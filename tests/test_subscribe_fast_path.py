@@ -13,7 +13,7 @@ import kvbus
 from kvbus.events import KVEventBatch, decode_kv_batch
 from kvbus.subscribe import Message, Resync, ResyncReason
 
-from .conftest import append_raw, collect, envelope, kv_payload, seqs
+from .conftest import append_raw, collect, envelope, kv_payload, seqs, take_then_close
 from .servers import RedisServer
 
 EPOCH = time.time_ns() - 10**9
@@ -111,14 +111,7 @@ async def test_a_cursor_taken_in_the_middle_of_a_page_resumes_exactly(memory_url
     await append_raw(
         memory_url, [envelope(source, EPOCH, s) for s in range(1, 501) for source in "ab"]
     )
-    sub = kvbus.subscribe(url=memory_url, follow=False)
-    first: list[Message | Resync] = []
-    async for item in sub:
-        first.append(item)
-        if len(first) == 301:
-            break
-    cursor = sub.cursor
-    await sub.aclose()
+    first, cursor = await take_then_close(kvbus.subscribe(url=memory_url, follow=False), 301)
     rest, _ = await collect(memory_url, cursor=cursor.to_bytes())
     for source in "ab":
         assert seqs(first, source) + seqs(rest, source) == list(range(1, 501))
