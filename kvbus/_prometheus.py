@@ -103,7 +103,7 @@ def _subscriber_metrics(samples: list[SubscriberSample]) -> Iterator[Metric]:
     )
     lag_seconds = GaugeMetricFamily(
         "kvbus_subscriber_lag_seconds",
-        "Delivery time minus publish time of the last delivered message.",
+        "Age of the oldest message read and not yet delivered (0: keeping up).",
         labels=stream,
     )
     lag_messages = GaugeMetricFamily(

@@ -85,6 +85,8 @@ def nesting_is_malformed(decode: Callable[_P, _R]) -> Callable[_P, _R]:
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(Envelope)
+ENVELOPE_DECODER: Final = _decoder
+"""The bare decoder under `decode_envelope`, for hot loops that do its checks inline."""
 _head_decoder: Final = msgspec.msgpack.Decoder(_Head)
 
 
@@ -92,17 +94,20 @@ def encode_envelope(envelope: Envelope) -> bytes:
     return _encoder.encode(envelope)
 
 
-@nesting_is_malformed
 def decode_envelope(data: bytes) -> Envelope:
     """Decode an envelope; raises ``FutureVersionError`` or ``msgspec.DecodeError``."""
+    # Not wrapped in `nesting_is_malformed`: this runs once per message, and the
+    # subscriber's hot path cannot afford a second Python call for it.
     try:
         envelope = _decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("MessagePack data is nested too deeply") from None
     except msgspec.DecodeError:
         # A newer schema may not fit this layout: say so rather than "malformed".
         try:
             version = _head_decoder.decode(data).version
-        except msgspec.DecodeError:
-            raise
+        except (msgspec.DecodeError, RecursionError):
+            raise msgspec.DecodeError("not a kvbus envelope") from None
         if version > SCHEMA_VERSION:
             raise FutureVersionError(f"envelope schema version {version}") from None
         raise

@@ -23,10 +23,10 @@ Series (labels ``stream`` and ``source`` for publishers, ``stream`` for subscrib
 - ``kvbus_subscriber_delivered_total``, ``_resyncs_total{reason}``,
   ``_gaps_total{outcome="repaired"|"lost"}``, ``_duplicates_total``,
   ``_rejected_total{reason}`` (malformed, oversized, future_version, unknown_kind,
-  implausible, forged, stale), ``_transport_errors_total``, ``_lag_seconds`` (the last
-  delivered message's delivery time minus its publish time: how far behind the live
-  edge the consumer reads) and ``_lag_messages`` (messages read from the transport and
-  not yet delivered to the consumer).
+  implausible, forged, stale), ``_transport_errors_total``, ``_lag_seconds`` (age of
+  the oldest message read from the transport and not yet delivered: how far behind the
+  live edge the consumer reads; 0 when it keeps up) and ``_lag_messages`` (messages read
+  from the transport and not yet delivered to the consumer).
 
 Importing this module imports no Prometheus code; `collector` does, on first use.
 """
@@ -149,12 +149,9 @@ def _retire_publisher(
 
 
 def _retire_subscriber(stream: str, stats: SubscriptionStats) -> None:
-    sample = _subscriber_sample(stream, stats, 0)
+    sample = _subscriber_sample(stream, stats, 0, 0.0)
     with _retired_lock:
         _retired_subscribers.update(merge_subscribers([*_retired_subscribers.values(), sample]))
-        _retired_subscribers[stream] = msgspec.structs.replace(
-            _retired_subscribers[stream], lag_seconds=0.0
-        )
 
 
 def _publisher_sample(
@@ -191,7 +188,9 @@ _REJECTIONS: Final = (
 )
 
 
-def _subscriber_sample(stream: str, stats: SubscriptionStats, backlog: int) -> SubscriberSample:
+def _subscriber_sample(
+    stream: str, stats: SubscriptionStats, backlog: int, lag: float
+) -> SubscriberSample:
     return SubscriberSample(
         stream=stream,
         delivered=stats.delivered,
@@ -201,7 +200,7 @@ def _subscriber_sample(stream: str, stats: SubscriptionStats, backlog: int) -> S
         duplicates=stats.duplicates,
         rejected={name: getattr(stats, name) for name in _REJECTIONS},
         transport_errors=stats.transport_errors,
-        lag_seconds=stats.lag_seconds,
+        lag_seconds=lag,
         lag_messages=backlog,
     )
 
@@ -214,7 +213,10 @@ def report() -> Report:
         )
         for p in list(_publishers)
     ]
-    subscribers = [_subscriber_sample(s.stream, s.stats, s.backlog) for s in list(_subscriptions)]
+    subscribers = [
+        _subscriber_sample(s.stream, s.stats, s.backlog, s.lag_seconds)
+        for s in list(_subscriptions)
+    ]
     with _retired_lock:
         publishers += _retired_publishers.values()
         subscribers += _retired_subscribers.values()

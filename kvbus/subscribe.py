@@ -41,24 +41,32 @@ from __future__ import annotations
 import asyncio
 import enum
 import heapq
-import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Collection
-from typing import Any, Final, Literal
+from collections.abc import Collection, Sequence
+from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
 from kvbus import metrics
 from kvbus.config import redact_url, resolve_stream, resolve_url
-from kvbus.envelope import Envelope, FutureVersionError, Kind, decode_envelope
+from kvbus.envelope import (
+    ENVELOPE_DECODER,
+    SCHEMA_VERSION,
+    Envelope,
+    FutureVersionError,
+    Kind,
+    decode_envelope,
+)
 from kvbus.events import (
+    KV_BATCH_SHAPE,
     ConnectorBatch,
     ControlEvent,
     KVEventBatch,
     LoadMetrics,
     RouteEvent,
+    check_kv_batch,
     decode_connector,
     decode_control,
     decode_kv_batch,
@@ -109,19 +117,66 @@ class Resync(msgspec.Struct, frozen=True, gc=False):
     previous_epoch: int | None = None
 
 
+Body: TypeAlias = KVEventBatch | LoadMetrics | ConnectorBatch | RouteEvent | ControlEvent
+
+
+class _UndecodedBatch:
+    """Stands in for the body of a delivered KV message until it is first read.
+
+    Decoding a 16-block batch costs about as much as everything else the subscriber
+    does for it, and a consumer that wants only some bodies (one source, the newest
+    load...) should not pay it for all. The subscriber has checked that the batch
+    decodes (`check_kv_batch`), so reading it cannot fail. One per subscription: it
+    counts skipped events into that subscription's stats.
+    """
+
+    __slots__ = ("stats", "stream")
+
+    def __init__(self, stats: SubscriptionStats, stream: str) -> None:
+        self.stats = stats
+        self.stream = stream
+
+    def decode(self, message: Message) -> KVEventBatch:
+        batch, skipped = decode_kv_batch(message.payload)
+        if skipped:
+            self.stats.skipped_events += skipped
+            _limited.warning(
+                "skipped_events",
+                "kvbus: skipped %d unknown or malformed events in %s:%s:%s",
+                skipped,
+                shown(message.source),
+                message.epoch,
+                message.seq,
+            )
+        return batch
+
+    def __repr__(self) -> str:
+        return "<not decoded yet>"
+
+
 class Message(msgspec.Struct, frozen=True, gc=False):
-    """One delivered message, its payload already decoded."""
+    """One delivered message; ``body`` is its decoded payload."""
 
     source: str
     epoch: int
     seq: int
     kind: Kind
     ts: float
-    body: KVEventBatch | LoadMetrics | ConnectorBatch | RouteEvent | ControlEvent
+    _body: Body | _UndecodedBatch
+    """``body``, or (a KV batch not read yet) what decodes it on first read."""
     payload: bytes
     """The payload exactly as published (for a vLLM batch: the engine's bytes)."""
     position: int | str
     """Where the transport stored it."""
+
+    @property
+    def body(self) -> Body:
+        """The decoded payload (a KV batch is decoded when first read)."""
+        body = self._body
+        if isinstance(body, _UndecodedBatch):
+            body = body.decode(self)
+            msgspec.structs.force_setattr(self, "_body", body)
+        return body
 
 
 class SourceCursor(msgspec.Struct, array_like=True):
@@ -148,8 +203,6 @@ class SubscriptionStats(msgspec.Struct):
     delivered: int = 0
     resyncs: int = 0
     resyncs_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
-    lag_seconds: float = 0.0
-    """Delivery time minus publish time of the last message delivered."""
     duplicates: int = 0
     """Copies dropped, including live copies of messages already repaired from history."""
     stale: int = 0
@@ -161,7 +214,8 @@ class SubscriptionStats(msgspec.Struct):
     future_version: int = 0
     unknown_kind: int = 0
     skipped_events: int = 0
-    """Events inside otherwise good KV batches whose type is unknown or malformed."""
+    """Events inside otherwise good KV batches whose type is unknown or malformed
+    (counted when the batch is decoded: when its ``Message.body`` is first read)."""
     implausible: int = 0
     """Envelopes rejected for an epoch ahead of the clock or an unreachable seq."""
     forged: int = 0
@@ -240,6 +294,8 @@ class _SourceState:
         return max(self.held) - self.seq - len(self.held) if self.held else 0
 
 
+_SLICE: Final = 256
+"""Entries of a page ingested at a time."""
 _END: Final = object()
 _MALFORMED: Final = object()
 _KINDS: Final = {kind.value: kind for kind in Kind}
@@ -282,7 +338,8 @@ class Subscription:
         self._states: dict[str, _SourceState] = {}
         self._gapped: set[_SourceState] = set()  # sources waiting for missing seqs
         self._repair_due: set[_SourceState] = set()  # new gaps not yet searched for
-        self._yielded: dict[str, SourceCursor] = {}
+        # What was yielded last per source: a message stands for its SourceCursor.
+        self._yielded: dict[str, SourceCursor | Message] = {}
         if cursor == "latest":
             self._start: Position | None = LATEST
         elif cursor is None:
@@ -295,15 +352,23 @@ class Subscription:
                 self._states[name] = _SourceState(name, c.epoch, c.seq, c.position, -1)
                 self._yielded[name] = c
         self._read_position: Position | None = self._start
+        # Items to yield, each with its entry's arrival order and the position read just
+        # before it (None for items not from the live read), for `cursor`.
         self._ready: deque[tuple[Item, int | None, Position | None]] = deque()
-        self._arrivals = itertools.count()
-        # Entries read ahead by the reader task. A deque and two events rather than an
-        # asyncio.Queue: a replay moves hundreds of thousands of entries per second and
-        # the queue's per-item bookkeeping was a fifth of the subscriber's time.
+        self._arrivals = 0
+        self._undecoded = _UndecodedBatch(self.stats, self.stream)
+        # Pages of entries read ahead by the reader task, each with the position read
+        # before it. A deque and two events rather than an asyncio.Queue: a replay
+        # moves hundreds of thousands of entries per second.
         self._inbox: deque[Any] = deque()
         self._inbox_filled = asyncio.Event()
         self._inbox_drained = asyncio.Event()
+        self._inbox_entries = 0
         self._inbox_bytes = 0
+        # The page being ingested: its entries before ``_page_index`` are done.
+        self._page: Sequence[Entry] = ()
+        self._page_index = 0
+        self._page_previous: Position | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ended = False
         metrics.track_subscription(self)
@@ -314,11 +379,26 @@ class Subscription:
         return self
 
     async def __anext__(self) -> Item:
+        if not self._ready:
+            await self._fill()
+        item = self._ready.popleft()[0]
+        if isinstance(item, Message):
+            if item.source in self._states:  # not forgotten (max_sources) meanwhile
+                self._yielded[item.source] = item
+        else:
+            self._note_resync(item)
+        return item
+
+    async def _fill(self) -> None:
+        """Ingest what the reader brought until something is ready to yield."""
         if self._reader is None:
             if self._snapshot and self._start is None:
                 await self._start_from_snapshots()
             self._reader = asyncio.create_task(self._read_live())
         while not self._ready:
+            if self._page_index < len(self._page):
+                self._ingest_page()
+                continue
             if self._ended:
                 raise StopAsyncIteration
             if self._repair_due and not self._inbox:
@@ -343,28 +423,45 @@ class Subscription:
                     pass  # the deadline check above expires the gap
                 continue
             item = self._inbox.popleft()
-            if item is not _END:
-                self._inbox_bytes -= len(item[0].data)
-            if len(self._inbox) <= _INBOX_LOW and self._inbox_bytes <= _INBOX_LOW_BYTES:
-                self._inbox_drained.set()
             if item is _END:
                 await self._expire_gaps(force=True)
                 self._ended = True
                 continue
-            entry, previous = item
-            self._read_position = entry.position
-            envelope = self._open(entry, count=True)
-            if envelope is not None:
-                self._ingest(envelope, entry.position, next(self._arrivals), previous)
-        item, _, _ = self._ready.popleft()
-        self._note_yielded(item)
-        return item
+            page, self._page_previous, size = item
+            self._page, self._page_index = page, 0
+            self._inbox_entries -= len(page)
+            self._inbox_bytes -= size
+            if self._inbox_entries <= _INBOX_LOW and self._inbox_bytes <= _INBOX_LOW_BYTES:
+                self._inbox_drained.set()
 
     @property
     def backlog(self) -> int:
         """Messages read from the transport and not yet delivered."""
         held = sum(len(s.held) for s in self._gapped)
-        return len(self._inbox) + len(self._ready) + held
+        unread = len(self._page) - self._page_index
+        return self._inbox_entries + unread + len(self._ready) + held
+
+    @property
+    def lag_seconds(self) -> float:
+        """Age of the oldest message read from the transport and not yet delivered: how
+        far behind the live edge the consumer is (0 when it keeps up). Computed when
+        asked, so that delivery pays nothing for it."""
+        oldest: float | None = None
+        for item, _, _ in self._ready:
+            if isinstance(item, Message):
+                oldest = item.ts
+                break
+        if oldest is None:
+            if self._page_index < len(self._page):
+                first: Entry | None = self._page[self._page_index]
+            else:
+                first = next((e[0][0] for e in self._inbox if e is not _END and e[0]), None)
+            if first is not None:
+                try:
+                    oldest = ENVELOPE_DECODER.decode(first.data).ts
+                except (msgspec.DecodeError, RecursionError):
+                    return 0.0
+        return max(0.0, time.time() - oldest) if oldest is not None else 0.0
 
     @property
     def cursor(self) -> Cursor:
@@ -377,7 +474,10 @@ class Subscription:
             if h.order is not None
         ]
         position = min(pending, key=lambda x: x[0])[1] if pending else self._read_position
-        return Cursor(position, dict(self._yielded))
+        sources = {
+            name: SourceCursor(c.epoch, c.seq, c.position) for name, c in self._yielded.items()
+        }
+        return Cursor(position, sources)
 
     async def aclose(self) -> None:
         if self._reader is not None:
@@ -406,19 +506,98 @@ class Subscription:
         retrying = retry_forever(f"reading {redact_url(self.url)}", count, log, self.url)
         async for attempt in retrying:
             with attempt:
-                async for entry in self._transport.read(self.stream, previous, follow=self._follow):
-                    self._inbox.append((entry, previous))
-                    self._inbox_bytes += len(entry.data)
-                    self._inbox_filled.set()
-                    if len(self._inbox) >= _INBOX_HIGH or self._inbox_bytes >= _INBOX_HIGH_BYTES:
-                        # Let the consumer catch up: read ahead at most this much.
-                        self._inbox_drained.clear()
-                        await self._inbox_drained.wait()
-                    previous = entry.position
+                pages = self._transport.read_pages(self.stream, previous, follow=self._follow)
+                async for page in pages:
+                    for piece, size in _pieces(page):
+                        self._inbox.append((piece, previous, size))
+                        self._inbox_entries += len(piece)
+                        self._inbox_bytes += size
+                        self._inbox_filled.set()
+                        previous = piece[-1].position
+                        if (
+                            self._inbox_entries >= _INBOX_HIGH
+                            or self._inbox_bytes >= _INBOX_HIGH_BYTES
+                        ):
+                            # Let the consumer catch up: read ahead at most this much.
+                            self._inbox_drained.clear()
+                            await self._inbox_drained.wait()
         self._inbox.append(_END)
         self._inbox_filled.set()
 
-    def _open(self, entry: Entry, *, count: bool) -> Envelope | None:
+    def _ingest_page(self) -> None:
+        """Ingest the next slice of the current page (a slice: so that what waits in
+        ``_ready`` stays small however large the transport's pages are).
+
+        Most entries are a source's next KV message with no gap open: those take the
+        inlined fast path below (every check of `_open` and `_ingest` that can apply to
+        them, in one expression, and no holding back). Anything else, and anything the
+        fast path doubts, goes through `_open` and `_ingest`.
+        """
+        page, start = self._page, self._page_index
+        stop = min(len(page), start + _SLICE)
+        previous = self._page_previous
+        order = self._arrivals
+        horizon = self._horizon()
+        states, sources, ready = self._states, self.sources, self._ready
+        max_bytes, undecoded = self._max_message_bytes, self._undecoded
+        delivered = 0
+        for index in range(start, stop):
+            entry = page[index]
+            position = entry.position
+            data = entry.data
+            try:
+                envelope = ENVELOPE_DECODER.decode(data)
+                state = states.get(envelope.source)
+                if (
+                    state is not None
+                    and envelope.seq == state.seq + 1
+                    and envelope.epoch == state.epoch  # checked when the state began
+                    and not state.held
+                    and envelope.kind == Kind.KV
+                    and not envelope.lost_from
+                    and envelope.version <= SCHEMA_VERSION
+                    and len(data) <= max_bytes
+                    and (entry.sender is None or entry.sender == envelope.source)
+                    and (sources is None or envelope.source in sources)
+                    and envelope.seq <= (horizon - envelope.epoch) // _NS_PER_SEQ + 1
+                ):
+                    KV_BATCH_SHAPE.decode(envelope.payload)  # see `check_kv_batch`
+                    state.seq = envelope.seq
+                    state.position = position
+                    state.anchor = (order, position)
+                    state.active = order
+                    message = Message(
+                        envelope.source,
+                        envelope.epoch,
+                        envelope.seq,
+                        Kind.KV,
+                        envelope.ts,
+                        undecoded,
+                        envelope.payload,
+                        position,
+                    )
+                    ready.append((message, order, previous))
+                    delivered += 1
+                    order += 1
+                    previous = position
+                    continue
+            except (msgspec.DecodeError, RecursionError):
+                pass  # counted (or not) below, as if the fast path had not looked
+            opened = self._open(entry, horizon, count=True)
+            if opened is not None:
+                self._ingest(opened, position, order, previous)
+            order += 1
+            previous = position
+        self.stats.delivered += delivered
+        self._arrivals = order
+        self._page_index = stop
+        self._page_previous = self._read_position = previous
+
+    def _horizon(self) -> int:
+        """The latest epoch (ns) an honest publisher's envelope can carry now."""
+        return time.time_ns() + self._max_skew_ns
+
+    def _open(self, entry: Entry, horizon: int, *, count: bool) -> Envelope | None:
         """The entry's envelope if it is one we should consider, else None (counted and
         logged when ``count``: a history search sees entries the live read counted)."""
         if len(entry.data) > self._max_message_bytes:
@@ -460,7 +639,7 @@ class Subscription:
             return None
         if self.sources is not None and envelope.source not in self.sources:
             return None
-        problem = self._implausible(envelope)
+        problem = self._implausible(envelope, horizon)
         if problem is None and entry.sender is not None and entry.sender != envelope.source:
             problem = f"forged: sent as {shown(entry.sender)}"
         if problem is not None:
@@ -482,13 +661,13 @@ class Subscription:
             return None
         return envelope
 
-    def _implausible(self, envelope: Envelope) -> str | None:
-        """Why no honest publisher could have sent this envelope, if none could."""
+    def _implausible(self, envelope: Envelope, horizon: int) -> str | None:
+        """Why no honest publisher could have sent this envelope, if none could
+        (``horizon``: `_horizon`, read once per page)."""
         if not 0 < len(envelope.source) <= MAX_SOURCE_LENGTH:
             return f"malformed: source of {len(envelope.source)} characters"
         if envelope.seq < 1 or not 0 <= envelope.lost_from <= envelope.seq:
             return "malformed: seq or lost_from out of range"
-        horizon = time.time_ns() + self._max_skew_ns
         if envelope.epoch > horizon:
             return "implausible: epoch ahead of this clock by more than max_clock_skew"
         if envelope.seq > (horizon - envelope.epoch) // _NS_PER_SEQ + 1:
@@ -572,18 +751,24 @@ class Subscription:
                 self._resync(state, ResyncReason.DROPPED, lowest - 1)
                 repaired = False
                 continue
-            self._deliver(state, held)
+            self._deliver(state, held.envelope, held.position, held.order, held.previous)
         if state.gap_deadline is not None:
             self._close_gap(state)
             if repaired:
                 self.stats.gaps_repaired += 1
 
-    def _deliver(self, state: _SourceState, held: _Held) -> None:
-        envelope = held.envelope
-        state.position = held.position
-        if held.order is not None:
-            state.anchor = (held.order, held.position)
-        body = self._decode_body(envelope, held.position)
+    def _deliver(
+        self,
+        state: _SourceState,
+        envelope: Envelope,
+        position: Position,
+        order: int | None,
+        previous: Position | None,
+    ) -> None:
+        state.position = position
+        if order is not None:
+            state.anchor = (order, position)
+        body = self._decode_body(envelope, position)
         if body is None:
             state.seq = envelope.seq
             return
@@ -599,10 +784,10 @@ class Subscription:
             envelope.ts,
             body,
             envelope.payload,
-            held.position,
+            position,
         )
         self.stats.delivered += 1
-        self._ready.append((message, held.order, held.previous))
+        self._ready.append((message, order, previous))
 
     def _resync(
         self,
@@ -645,16 +830,21 @@ class Subscription:
         _, start = min((s.anchor for s in wanted.values()), key=lambda anchor: anchor[0])
         stop = self._read_position
         try:
-            async for entry in self._transport.read(self.stream, start, follow=False):
-                envelope = self._open(entry, count=False)
-                state = wanted.get(envelope.source) if envelope is not None else None
-                if envelope is not None and state is not None and envelope.epoch == state.epoch:
-                    seq = envelope.seq
-                    if state.seq < seq < tops[state.name] and seq not in state.held:
-                        state.hold(seq, _Held(envelope, entry.position, None, None))
-                        remaining -= 1
-                if remaining <= 0 or entry.position == stop:
-                    break
+            async for page in self._transport.read_pages(self.stream, start, follow=False):
+                horizon = self._horizon()
+                for entry in page:
+                    envelope = self._open(entry, horizon, count=False)
+                    state = wanted.get(envelope.source) if envelope is not None else None
+                    if envelope is not None and state is not None and envelope.epoch == state.epoch:
+                        seq = envelope.seq
+                        if state.seq < seq < tops[state.name] and seq not in state.held:
+                            state.hold(seq, _Held(envelope, entry.position, None, None))
+                            remaining -= 1
+                    if remaining <= 0 or entry.position == stop:
+                        break
+                else:
+                    continue
+                break
         except Exception as error:
             self.stats.transport_errors += 1
             log.warning("kvbus: history read of %s failed: %r", self.stream, error)
@@ -695,7 +885,7 @@ class Subscription:
             _limited.warning("snapshot", "kvbus: skipped a malformed snapshot of %s", self.stream)
             return None
         probe = Envelope(1, Kind.KV, snapshot.source, snapshot.epoch, snapshot.seq, 0.0, b"")
-        if self._implausible(probe) is not None:
+        if self._implausible(probe, self._horizon()) is not None:
             self.stats.implausible += 1
             return None
         if self.sources is not None and snapshot.source not in self.sources:
@@ -777,18 +967,8 @@ class Subscription:
         newer publisher's), `_MALFORMED` for a payload that does not decode."""
         try:
             if envelope.kind == Kind.KV:
-                batch, skipped = decode_kv_batch(envelope.payload)
-                if skipped:
-                    self.stats.skipped_events += skipped
-                    _limited.warning(
-                        "skipped_events",
-                        "kvbus: skipped %d unknown or malformed events in %s:%s:%s",
-                        skipped,
-                        shown(envelope.source),
-                        envelope.epoch,
-                        envelope.seq,
-                    )
-                return batch
+                check_kv_batch(envelope.payload)
+                return self._undecoded
             if envelope.kind == Kind.METRICS:
                 return decode_metrics(envelope.payload)
             if envelope.kind == Kind.CONTROL:
@@ -821,16 +1001,34 @@ class Subscription:
         )
         return None
 
-    def _note_yielded(self, item: Item) -> None:
-        if isinstance(item, Message):
-            self._yielded[item.source] = SourceCursor(item.epoch, item.seq, item.position)
-            self.stats.lag_seconds = time.time() - item.ts
-        else:
-            last = self._yielded.get(item.source)
-            same_epoch = last is not None and last.epoch == item.epoch
-            seq = item.lost[1] if item.lost else (last.seq if last and same_epoch else 0)
-            position = last.position if last else None
-            self._yielded[item.source] = SourceCursor(item.epoch, seq, position)
+    def _note_resync(self, item: Resync) -> None:
+        if item.source not in self._states:
+            return  # forgotten (max_sources) since it was queued
+        last = self._yielded.get(item.source)
+        same_epoch = last is not None and last.epoch == item.epoch
+        seq = item.lost[1] if item.lost else (last.seq if last and same_epoch else 0)
+        position = last.position if last else None
+        self._yielded[item.source] = SourceCursor(item.epoch, seq, position)
+
+
+def _pieces(page: Sequence[Entry]) -> list[tuple[Sequence[Entry], int]]:
+    """``page`` with its size in bytes, cut into pieces of about ``_INBOX_LOW_BYTES`` if
+    it is larger (an in-process transport hands over its whole history as one page),
+    so that the read-ahead bound holds in bytes too."""
+    sizes = [len(entry.data) for entry in page]
+    size = sum(sizes)
+    if size <= _INBOX_LOW_BYTES:
+        return [(page, size)]
+    pieces: list[tuple[Sequence[Entry], int]] = []
+    start = piece_size = 0
+    for index, entry_size in enumerate(sizes):
+        if index > start and piece_size + entry_size > _INBOX_LOW_BYTES:
+            pieces.append((page[start:index], piece_size))
+            start = index
+            piece_size = 0
+        piece_size += entry_size
+    pieces.append((page[start:], piece_size))
+    return pieces
 
 
 def subscribe(

@@ -111,6 +111,20 @@ async def collect(
     return items, sub
 
 
+async def take_then_close(
+    sub: kvbus.Subscription, count: int
+) -> tuple[list[kvbus.Message | kvbus.Resync], kvbus.Cursor]:
+    """The first ``count`` items of ``sub`` and its cursor right after them."""
+    items: list[kvbus.Message | kvbus.Resync] = []
+    async for item in sub:
+        items.append(item)
+        if len(items) == count:
+            break
+    cursor = sub.cursor
+    await sub.aclose()
+    return items, cursor
+
+
 def seqs(items: Iterable[object], source: str | None = None) -> list[int]:
     return [
         i.seq

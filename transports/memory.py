@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from urllib.parse import parse_qs, urlsplit
 
-from kvbus.transports import LATEST, Entry, Position, Record, Transport
+from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
 
 DEFAULT_MAXLEN = 100_000
 
@@ -125,9 +125,15 @@ class MemoryTransport(Transport):
     async def position_at(self, stream: str, wall_time: float) -> Position | None:
         return self._stream(stream).position_at(wall_time)
 
-    async def read(
+    def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False
     ) -> AsyncIterator[Entry]:
+        # This class's pages, not a subclass's: those may be built on this very read.
+        return entries_of(MemoryTransport.read_pages(self, stream, after, follow=follow))
+
+    async def read_pages(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Sequence[Entry]]:
         log = self._stream(stream)
         if after == LATEST:
             position = log.last_position
@@ -135,12 +141,12 @@ class MemoryTransport(Transport):
             position = int(after or 0)
         end = log.last_position
         while True:
-            batch = log.after(position)
-            for entry in batch:
-                position = int(entry.position)
-                if not follow and position > end:
-                    return
-                yield entry
+            page = log.after(position)
+            if not follow and page and int(page[-1].position) > end:
+                page = [entry for entry in page if int(entry.position) <= end]
+            if page:
+                position = int(page[-1].position)
+                yield page
             if not follow:
                 return
             future = log.wait_after(position)

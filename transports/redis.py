@@ -31,7 +31,7 @@ from typing import Any, Final
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis
-from kvbus.transports import LATEST, Entry, Position, Record, Transport
+from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
 from kvbus.transports.packing import make_packs, unpack
 
 log = logging.getLogger("kvbus.transports.redis")
@@ -94,9 +94,15 @@ class RedisTransport(Transport):
             len(forged),
         )
 
-    async def read(
+    def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False
     ) -> AsyncIterator[Entry]:
+        # This class's pages, not a subclass's: those may be built on this very read.
+        return entries_of(RedisTransport.read_pages(self, stream, after, follow=follow))
+
+    async def read_pages(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Sequence[Entry]]:
         key = _key(stream)
         client: Any = self._client  # redis-py's reply types are unions of every RESP shape
         newest = await client.xrevrange(key, count=1)
@@ -109,8 +115,9 @@ class RedisTransport(Transport):
             entry_id, _, index = str(after).rpartition("/")
             last, skip = entry_id.encode(), int(index)
             # The entry the position points into, for the envelopes after the index.
-            for entry in _entries(await client.xrange(key, last, last), skip):
-                yield entry
+            page = _entries(await client.xrange(key, last, last), skip)
+            if page:
+                yield page
             await self._check_trimmed(key, last)
         while True:
             if follow:
@@ -121,11 +128,15 @@ class RedisTransport(Transport):
                 batch = await client.xrange(key, b"(" + last, end, count=_CHUNK)
                 if not batch:
                     return
-            real = [e for e in batch if _id(e[0])[0] <= time.time() * 1000 + _FUTURE_MS]
-            for entry in _entries(real):
-                yield entry
+            horizon = time.time() * 1000 + _FUTURE_MS
+            real = batch  # ids increase: a forged one (far ahead) can only be last ones
+            if batch and _id(batch[-1][0])[0] > horizon:
+                real = [e for e in batch if _id(e[0])[0] <= horizon]
             if real:
                 last = real[-1][0]
+                page = _entries(real)
+                if page:
+                    yield page
             elif batch:  # only a forged entry ahead: do not spin on it
                 await asyncio.sleep(self.block_ms / 1000)
                 if not follow:
@@ -184,10 +195,9 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
 
 
 def _entries(batch: list[Any], skip: int = -1) -> list[Entry]:
-    out = []
+    out: list[Entry] = []
     for entry_id, fields in batch:
         name = entry_id.decode()
-        for index, data in enumerate(unpack(fields.get(_FIELD, b""))):
-            if index > skip:
-                out.append(Entry(f"{name}/{index}", data))
+        envelopes = unpack(fields.get(_FIELD, b""))
+        out += [Entry(f"{name}/{i}", data) for i, data in enumerate(envelopes) if i > skip]
     return out

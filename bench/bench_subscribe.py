@@ -1,0 +1,204 @@
+"""Subscriber hot path: 16-block batches/s through ``kvbus.subscribe()`` beside the
+baselines, in one run (print a table of medians over repeats and ratios).
+
+Baselines: vLLM's own decoder (``msgspec`` decode of ``vllm.distributed.kv_events.
+KVEventBatch`` from the same bytes, nothing else) and the raw redis-py client (``XRANGE``
+pages of 512 entries, one batch per entry, each decoded with msgspec: bench_transports's).
+
+kvbus rows, on ``memory://`` and ``redis://`` (a real redis-server on a free port):
+
+* ``Transport.read()`` alone: envelopes out of the transport, not decoded;
+* ``subscribe(follow=False)``: replay of the retained history, ordered, deduplicated,
+  each batch checked to decode (the body itself is decoded when first read);
+* the same with the consumer reading every ``item.body`` (as the prefix index does);
+* live following: ``subscribe()`` on the live tail while the stream is appended to in
+  the same event loop (512 envelopes per append, as a publisher's sender under load).
+
+The stream is what a publisher stores: one source, seqs 1..N, 512 envelopes per append
+(a pack of 512 per Redis entry).
+
+Run: python bench/bench_subscribe.py [--repeats 5] [--batches 50000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvbus.transports import Record, open_transport
+
+import kvbus
+from bench.bench_core import batch16
+from bench.bench_transports import _VolatileRedis, redis_raw_replay, repeat
+from kvbus.envelope import Envelope, Kind, encode_envelope
+from kvbus.events import encode
+
+CHUNK = 512
+OLD_FIGURE = 166_000
+"""subscribe(follow=False) over redis:// before issue 14 (BENCHMARKS.md, issue 3)."""
+
+
+def records_of(payloads: list[bytes]) -> list[Record]:
+    epoch = time.time_ns()
+    out = []
+    for seq, payload in enumerate(payloads, 1):
+        envelope = Envelope(1, Kind.KV, "bench", epoch, seq, time.time(), payload)
+        out.append(Record("bench", envelope.msg_id, encode_envelope(envelope)))
+    return out
+
+
+async def fill(url: str, stream: str, records: list[Record]) -> None:
+    transport = open_transport(url)
+    for first in range(0, len(records), CHUNK):
+        await transport.append(stream, records[first : first + CHUNK])
+    await transport.aclose()
+
+
+def vllm_decode(payloads: list[bytes]) -> float:
+    from vllm.distributed.kv_events import KVEventBatch as VBatch
+
+    decoder = msgspec.msgpack.Decoder(VBatch)
+    start = time.perf_counter()
+    for payload in payloads:
+        decoder.decode(payload)
+    return len(payloads) / (time.perf_counter() - start)
+
+
+async def transport_read(url: str, stream: str, expected: int) -> float:
+    transport = open_transport(url)
+    start = time.perf_counter()
+    count = sum([1 async for _ in transport.read(stream)])
+    rate = count / (time.perf_counter() - start)
+    await transport.aclose()
+    assert count == expected, count
+    return rate
+
+
+async def consume(sub: kvbus.Subscription, expected: int, read_body: bool) -> int:
+    count = events = 0
+    async for item in sub:
+        if isinstance(item, kvbus.Message):
+            count += 1
+            if read_body:
+                events += len(item.body.events)  # type: ignore[union-attr]
+            if count == expected:
+                break
+    assert count == expected, count
+    assert not read_body or events == expected, events
+    assert sub.stats.resyncs == 0, sub.stats
+    return count
+
+
+async def subscribe_replay(url: str, stream: str, expected: int, read_body: bool) -> float:
+    start = time.perf_counter()
+    async with kvbus.subscribe(stream, url, follow=False) as sub:
+        await consume(sub, expected, read_body)
+    return expected / (time.perf_counter() - start)
+
+
+async def subscribe_live(url: str, records: list[Record], read_body: bool) -> float:
+    """From the first append until the subscriber following the live tail has every
+    message: appends of 512 envelopes interleaved with the subscriber in one loop."""
+    stream = f"live{time.monotonic_ns()}"
+    transport = open_transport(url)
+    await transport.append(stream, records[:1])  # the subscriber's start position
+    async with kvbus.subscribe(stream, url) as sub:
+        async for _first in sub:
+            break
+
+        async def produce() -> None:
+            for first in range(1, len(records), CHUNK):
+                await transport.append(stream, records[first : first + CHUNK])
+                await asyncio.sleep(0)
+
+        start = time.perf_counter()
+        producer = asyncio.create_task(produce())
+        await consume(sub, len(records) - 1, read_body)
+        rate = (len(records) - 1) / (time.perf_counter() - start)
+        await producer
+    await transport.aclose()
+    return rate
+
+
+def table(title: str, rows: dict[str, list[float]], baseline: str) -> None:
+    """Medians, their ratio to ``baseline``'s and to the subscriber before issue 14."""
+    medians = {name: statistics.median(rates) for name, rates in rows.items()}
+    print(f"\n{title}\n{'path':62} {'batches/s':>10} {'vs base':>8} {'vs 166k':>8}")
+    for name, rate in medians.items():
+        print(f"{name:62} {rate:10.0f} {rate / medians[baseline]:8.2f} {rate / OLD_FIGURE:8.2f}")
+
+
+def kvbus_rows(rows: dict[str, list[float]], url: str, records: list[Record], name: str) -> None:
+    n = len(records)
+    stream = f"replay{time.monotonic_ns()}"
+    asyncio.run(fill(url, stream, records))
+    repeat(
+        rows,
+        f"kvbus {name} Transport.read() (not decoded)",
+        lambda: asyncio.run(transport_read(url, stream, n)),
+    )
+    for read_body, suffix in ((False, ""), (True, " + item.body")):
+        repeat(
+            rows,
+            f"kvbus {name} subscribe(follow=False){suffix}",
+            lambda r=read_body: asyncio.run(subscribe_replay(url, stream, n, r)),
+        )
+    for read_body, suffix in ((False, ""), (True, " + item.body")):
+        repeat(
+            rows,
+            f"kvbus {name} subscribe() live{suffix}",
+            lambda r=read_body: asyncio.run(subscribe_live(url, records, r)),
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, default=50_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=["memory", "redis"], help="skip the other backend")
+    args = parser.parse_args()
+    n = args.batches
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
+    )
+    payloads = [encode(batch16(i)) for i in range(n)]
+    records = records_of(payloads)
+
+    if args.only != "redis":
+        rows: dict[str, list[float]] = {}
+        for r in range(args.repeats):
+            repeat(rows, "vLLM decoder alone (baseline)", lambda: vllm_decode(payloads))
+            kvbus_rows(rows, f"memory://bench{r}?maxlen={n + 10}", records, "memory://")
+        table(f"memory://, {n} batches, median of {args.repeats}", rows, next(iter(rows)))
+
+    if args.only != "memory":
+        with tempfile.TemporaryDirectory() as tmp:
+            server = _VolatileRedis(Path(tmp))
+            server.start()
+            rows = {}
+            url = server.url + "?maxlen=0"
+            for _ in range(args.repeats):
+                repeat(rows, "vLLM decoder alone", lambda: vllm_decode(payloads))
+                repeat(
+                    rows,
+                    "raw redis-py XRANGE pages + msgspec decode (baseline)",
+                    lambda: asyncio.run(redis_raw_replay(server.url, payloads)),
+                )
+                kvbus_rows(rows, url, records, "redis://")
+            server.stop()
+        table(f"redis://, {n} batches, median of {args.repeats}", rows, list(rows)[1])
+
+
+if __name__ == "__main__":
+    main()
