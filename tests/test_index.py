@@ -273,3 +273,20 @@ def test_tokenless_offload_events_count_a_copy_of_known_blocks_by_medium() -> No
     gpu_placeholder = BlockStored([1], None, [], 0, None, "GPU", None)
     index.apply(message("a", gpu_placeholder))
     assert index.malformed == 1  # a tokenless GPU store is still malformed
+
+
+def test_mixed_events_take_the_block_by_block_way_with_the_same_counts() -> None:
+    """An event mixing new blocks with copies, and a removal mixing sole copies, extra
+    copies, duplicates and unknown hashes, count exactly as one block at a time."""
+    index = PrefixIndex(B)
+    index.apply(message("a", stored([1, 2], PROMPT[:8])))
+    index.apply(message("b", stored([1], PROMPT[:4])))
+    index.apply(message("a", stored([2, 3], PROMPT[4:12], parent=1)))  # 2 again: a copy
+    assert index.copies("a") == 4 and index.resident("a") == 3
+    index.apply(message("a", BlockRemoved([3, 2, 3, 42], "GPU")))
+    assert index.unknown_removals == 2  # the second 3, and 42
+    assert index.resident("a") == 2 and index.copies("a") == 2
+    assert index.match(PROMPT) == {"a": 8, "b": 4}
+    index.apply(message("a", BlockRemoved([1, 2], "GPU")))  # the sole copies, at once
+    assert index.match(PROMPT) == {"b": 4} and index.resident("a") == 0
+    assert len(index) == 1  # block 1, held by b alone
