@@ -290,3 +290,21 @@ def test_mixed_events_take_the_block_by_block_way_with_the_same_counts() -> None
     index.apply(message("a", BlockRemoved([1, 2], "GPU")))  # the sole copies, at once
     assert index.match(PROMPT) == {"b": 4} and index.resident("a") == 0
     assert len(index) == 1  # block 1, held by b alone
+
+
+def test_workers_storing_the_same_blocks_share_keys_only_under_the_same_parent() -> None:
+    index = PrefixIndex(B)
+    other = [7, 7, 7, 7]
+    index.apply(message("a", stored([1, 2], PROMPT[:8])))
+    index.apply(message("b", stored([7], PROMPT[:4]), stored([8], PROMPT[4:8], parent=7)))
+    index.apply(message("c", stored([5], other), stored([6], PROMPT[4:8], parent=5)))
+    assert index.match(PROMPT) == {"a": 8, "b": 8}
+    assert index.match([*other, *PROMPT[4:8]]) == {"c": 8}
+    assert len(index) == 4
+
+
+def test_the_shared_keys_are_bounded() -> None:
+    index = PrefixIndex(B)
+    for h in range(1, 3001):
+        index.apply(message("a", stored([h], [h, h, h, h]), BlockRemoved([h], "GPU")))
+    assert len(index._chains) <= 1024 and len(index) == 0
