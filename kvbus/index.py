@@ -23,7 +23,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from kvbus.envelope import Kind
 from kvbus.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, SourceStarted
@@ -63,6 +63,8 @@ def block_keys(
     """
     data = array("I", token_ids).tobytes()
     step = block_size * 4
+    if lora_name is None and extra_keys is None and not lookahead:
+        return _chain(data, step, parent)
     count = len(token_ids) // block_size
     tails: list[bytes] | None = None  # per block: the lookahead tokens in its hash
     if isinstance(lookahead, int):
@@ -87,6 +89,16 @@ def block_keys(
         parent = hash((parent, lora_name, extra, block))
         keys.append(parent)
     return keys
+
+
+def _chain(data: bytes, step: int, parent: int) -> list[int]:
+    """`block_keys` of a plain prompt (no LoRA, extra keys or lookahead) from its token
+    bytes: one comprehension, a third of the per-block time of the general loop, which
+    hashes the same tuple for such a block."""
+    return [
+        parent := hash((parent, None, None, data[start : start + step]))
+        for start in range(0, len(data) - step + 1, step)
+    ]
 
 
 def mask_numbers(mask: int) -> list[int]:
@@ -137,6 +149,8 @@ class PrefixIndex:
         self._masks: dict[int, int] = {}
         """router key -> mask of the workers holding it (any medium)"""
         self._workers: dict[str, _Worker] = {}
+        self._chains: dict[int, list[int]] = {}
+        """hash of (parent key, an event's token bytes) -> the keys of its blocks"""
         self._numbers: dict[str, int] = {}
         self._names: list[str] = []
         self._groups: dict[tuple[int, int], dict[str, int]] = {}
@@ -203,20 +217,62 @@ class PrefixIndex:
                 self.unchained += len(event.block_hashes)
                 return
             parent = found
-        lookahead: int | Sequence[Sequence[int]] = 0
         if event.lookahead_token_ids is not None:
-            lookahead = event.lookahead_token_ids
-            self.lookahead = max((len(t) for t in lookahead), default=0)
-        keys = block_keys(
-            event.token_ids, self.block_size, event.lora_name, event.extra_keys, parent, lookahead
-        )
-        known, held, masks, worker_bit = state.keys, state.held, self._masks, state.bit
+            self.lookahead = max((len(t) for t in event.lookahead_token_ids), default=0)
+        if event.lora_name is None and event.extra_keys is None and not event.lookahead_token_ids:
+            keys = self._plain_keys(event.token_ids, parent)
+        else:
+            keys = block_keys(
+                event.token_ids,
+                self.block_size,
+                event.lora_name,
+                event.extra_keys,
+                parent,
+                event.lookahead_token_ids or 0,
+            )
+        hashes = event.block_hashes
+        if len(keys) > len(hashes):
+            keys = keys[: len(hashes)]
+        state.keys.update(zip(hashes, keys, strict=False))
+        # Whole-event dict work in C: an event's blocks are nearly always new to the
+        # worker (one copy each); copies and full counts take the per-block way.
         unit = 1 << shift
-        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
-            known[engine_hash] = key
+        fresh = dict.fromkeys(keys, unit)
+        held = state.held
+        if len(fresh) == len(keys) and held.keys().isdisjoint(fresh):
+            held.update(fresh)
+            masks, bit = self._masks, state.bit
+            for key in keys:  # faster than a comprehension and an update
+                masks[key] = masks.get(key, 0) | bit
+            if not shift:
+                state.resident += len(keys)
+        else:
+            self._add_copies(state, keys, shift)
+
+    def _plain_keys(self, token_ids: Sequence[int], parent: int) -> list[int]:
+        """`block_keys` of a plain event's blocks, shared by every worker that stores
+        the same blocks under the same parent (a fleet caches its popular prefixes on
+        many workers): one hash over the event's tokens finds them. That hash is as
+        hard to collide as the keys themselves (the same keyed hash of the same bytes),
+        and the shared keys are the very objects the index's dicts hold, quicker to
+        find there."""
+        data = array("I", token_ids).tobytes()
+        event_key = hash((parent, data))
+        keys = self._chains.get(event_key)
+        if keys is None:
+            keys = _chain(data, 4 * cast(int, self.block_size), parent)
+            if len(self._chains) >= max(_MIN_REMEMBERED, len(self._masks) >> 3):
+                self._chains.clear()  # the popular ones come back at once
+            self._chains[event_key] = keys
+        return keys
+
+    def _add_copies(self, state: _Worker, keys: Iterable[int], shift: int) -> None:
+        """One more copy in the medium at ``shift`` of each of ``keys``, block by block."""
+        held, masks, unit = state.held, self._masks, 1 << shift
+        for key in keys:
             count = held.get(key, 0)
             if not count:
-                masks[key] = masks.get(key, 0) | worker_bit
+                masks[key] = masks.get(key, 0) | state.bit
             elif (count >> shift) & _FIELD == _FIELD:
                 continue  # as many copies as a field holds: count no more
             held[key] = count + unit
@@ -231,20 +287,11 @@ class PrefixIndex:
         if state is None:
             self.unchained += len(event.block_hashes)
             return
-        shift = MEDIUM_SHIFTS[event.medium]
-        unit, held, masks = 1 << shift, state.held, self._masks
         self.offloaded = True
-        for engine_hash in event.block_hashes:
-            key = state.keys.get(engine_hash)
-            if key is None:
-                self.unchained += 1
-                continue
-            count = held.get(key, 0)
-            if not count:
-                masks[key] = masks.get(key, 0) | state.bit
-            elif (count >> shift) & _FIELD == _FIELD:
-                continue
-            held[key] = count + unit
+        keys = [state.keys.get(engine_hash) for engine_hash in event.block_hashes]
+        known = [key for key in keys if key is not None]
+        self.unchained += len(keys) - len(known)
+        self._add_copies(state, known, MEDIUM_SHIFTS[event.medium])
 
     def _removed(self, worker: str, event: BlockRemoved) -> None:
         state = self._workers.get(worker)
@@ -252,9 +299,26 @@ class PrefixIndex:
             self.unknown_removals += len(event.block_hashes)
             return
         shift = MEDIUM_SHIFTS.get(event.medium, 0)
-        unit, held = 1 << shift, state.held
-        for engine_hash in event.block_hashes:
-            key = state.keys.get(engine_hash)
+        hashes = event.block_hashes
+        keys = list(map(state.keys.get, hashes))
+        # The usual eviction: distinct known blocks, each the worker's only copy (an
+        # unknown hash's None gets no count, so it takes the block-by-block way).
+        counts = list(map(state.held.get, cast(list[int], keys)))
+        if counts.count(1 << shift) == len(keys) == len(set(keys)):
+            self._drop(state, cast(list[int], keys))
+            if not shift:
+                state.resident -= len(keys)
+            self._forget(state, hashes)
+        else:
+            self._forget(state, self._remove_copies(state, hashes, keys, shift))
+
+    def _remove_copies(
+        self, state: _Worker, hashes: Iterable[int | bytes], keys: Iterable[int | None], shift: int
+    ) -> list[int | bytes]:
+        """One copy less in the medium at ``shift`` of each block, block by block;
+        returns the engine hashes of the blocks whose last copy went."""
+        unit, held, gone, last = 1 << shift, state.held, [], []
+        for engine_hash, key in zip(hashes, keys, strict=True):
             count = 0 if key is None else held.get(key, 0)
             if key is None or not (count >> shift) & _FIELD:
                 self.unknown_removals += 1
@@ -264,38 +328,43 @@ class PrefixIndex:
                 state.resident -= 1
             if count:
                 held[key] = count  # another copy (or medium) still holds it
-                continue
-            del held[key]
-            mask = self._masks.get(key, 0) & ~state.bit
-            if mask:
-                self._masks[key] = mask
             else:
-                self._masks.pop(key, None)
-            self._forget(state, engine_hash)
+                del held[key]
+                gone.append(key)
+                last.append(engine_hash)
+        self._drop(state, gone, held_too=False)
+        return last
 
-    def _forget(self, state: _Worker, engine_hash: int | bytes) -> None:
-        """Remember ``engine_hash``'s key a while (its children may still be stored),
-        and forget the oldest remembered ones beyond the bound."""
-        forgotten = state.forgotten
-        forgotten.append(engine_hash)
-        while len(forgotten) > max(_MIN_REMEMBERED, len(state.held)):
+    def _drop(self, state: _Worker, keys: Iterable[int], held_too: bool = True) -> None:
+        """``state``'s worker no longer holds ``keys`` (in any medium)."""
+        held, masks, clear_bit = state.held, self._masks, ~state.bit
+        for key in keys:
+            if held_too:
+                del held[key]
+            mask = masks.get(key, 0) & clear_bit
+            if mask:
+                masks[key] = mask
+            else:
+                masks.pop(key, None)
+
+    def _forget(self, state: _Worker, engine_hashes: Iterable[int | bytes]) -> None:
+        """Remember the keys of ``engine_hashes`` (just removed) a while, as their
+        children may still be stored, and forget the oldest remembered ones beyond the
+        bound (checked once per event)."""
+        forgotten, known, held = state.forgotten, state.keys, state.held
+        forgotten.extend(engine_hashes)
+        for _ in range(len(forgotten) - max(_MIN_REMEMBERED, len(held))):
             oldest = forgotten.popleft()
-            key = state.keys.get(oldest)
-            if key is not None and key not in state.held:
-                del state.keys[oldest]
+            key = known.get(oldest)
+            if key is not None and key not in held:
+                del known[oldest]
 
     def clear(self, worker: str) -> None:
         """Forget everything ``worker`` held (it restarted, or its events were lost)."""
         state = self._workers.pop(worker, None)
         if state is None:
             return
-        masks, clear_bit = self._masks, ~state.bit
-        for key in state.held:
-            mask = masks.get(key, 0) & clear_bit
-            if mask:
-                masks[key] = mask
-            else:
-                masks.pop(key, None)
+        self._drop(state, state.held, held_too=False)
 
     # --- querying --------------------------------------------------------------------
 

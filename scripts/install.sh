@@ -4,8 +4,9 @@
 # when nothing it depends on changed since the last run.
 #
 # `install.sh peers` instead puts the routers kvbus is compared with (vllm-router,
-# sglang-router: prebuilt wheels) into .venv-peers, apart from kvbus because they pin
-# their own fastapi/pydantic (examples/peers.py finds them there).
+# sglang-router: prebuilt wheels) and Dynamo's KV index (ai-dynamo-runtime, for
+# bench/bench_index_peers.py) into .venv-peers, apart from kvbus because they pin their
+# own fastapi/pydantic (examples/peers.py finds them there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-dev}
@@ -13,7 +14,8 @@ if [ "$extras" = peers ]; then
   python3 -m venv .venv-peers
   stamp=.venv-peers/.kvbus-peers-$(sha256sum scripts/install.sh | cut -c1-16)
   if [ ! -f "$stamp" ]; then
-    .venv-peers/bin/pip install -q --no-deps vllm-router==0.1.17 sglang-router==0.3.2
+    .venv-peers/bin/pip install -q --no-deps vllm-router==0.1.17 sglang-router==0.3.2 \
+      ai-dynamo-runtime==1.6.1
     .venv-peers/bin/pip install -q setproctitle aiohttp orjson uvicorn fastapi uvloop \
       requests 'pydantic>=2.10.6,<=2.13.5'
     touch "$stamp"

@@ -273,3 +273,38 @@ def test_tokenless_offload_events_count_a_copy_of_known_blocks_by_medium() -> No
     gpu_placeholder = BlockStored([1], None, [], 0, None, "GPU", None)
     index.apply(message("a", gpu_placeholder))
     assert index.malformed == 1  # a tokenless GPU store is still malformed
+
+
+def test_mixed_events_take_the_block_by_block_way_with_the_same_counts() -> None:
+    """An event mixing new blocks with copies, and a removal mixing sole copies, extra
+    copies, duplicates and unknown hashes, count exactly as one block at a time."""
+    index = PrefixIndex(B)
+    index.apply(message("a", stored([1, 2], PROMPT[:8])))
+    index.apply(message("b", stored([1], PROMPT[:4])))
+    index.apply(message("a", stored([2, 3], PROMPT[4:12], parent=1)))  # 2 again: a copy
+    assert index.copies("a") == 4 and index.resident("a") == 3
+    index.apply(message("a", BlockRemoved([3, 2, 3, 42], "GPU")))
+    assert index.unknown_removals == 2  # the second 3, and 42
+    assert index.resident("a") == 2 and index.copies("a") == 2
+    assert index.match(PROMPT) == {"a": 8, "b": 4}
+    index.apply(message("a", BlockRemoved([1, 2], "GPU")))  # the sole copies, at once
+    assert index.match(PROMPT) == {"b": 4} and index.resident("a") == 0
+    assert len(index) == 1  # block 1, held by b alone
+
+
+def test_workers_storing_the_same_blocks_share_keys_only_under_the_same_parent() -> None:
+    index = PrefixIndex(B)
+    other = [7, 7, 7, 7]
+    index.apply(message("a", stored([1, 2], PROMPT[:8])))
+    index.apply(message("b", stored([7], PROMPT[:4]), stored([8], PROMPT[4:8], parent=7)))
+    index.apply(message("c", stored([5], other), stored([6], PROMPT[4:8], parent=5)))
+    assert index.match(PROMPT) == {"a": 8, "b": 8}
+    assert index.match([*other, *PROMPT[4:8]]) == {"c": 8}
+    assert len(index) == 4
+
+
+def test_the_shared_keys_are_bounded() -> None:
+    index = PrefixIndex(B)
+    for h in range(1, 3001):
+        index.apply(message("a", stored([h], [h, h, h, h]), BlockRemoved([h], "GPU")))
+    assert len(index._chains) <= 1024 and len(index) == 0

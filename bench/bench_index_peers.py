@@ -1,0 +1,314 @@
+"""kvbus's PrefixIndex beside NVIDIA Dynamo's RadixTree, same events, same queries, same run.
+
+The workload of bench/bench_index.py: W workers each cache P of N distinct 4k-token
+prompts (sharing an 8-block system prompt), stored as 16-block ``BlockStored`` events
+chained by engine hashes; then each worker evicts a quarter of its prompts as 16-block
+``BlockRemoved`` events, leaves first; then Q queries of 4k-token prompts.
+
+* kvbus: `PrefixIndex.apply_events` on the events as the subscriber hands them over
+  (decoded structs; the index hashes the tokens into its chained keys), `match` of the
+  prompt's tokens (hashing included).
+* Dynamo (ai-dynamo-runtime, `scripts/install.sh peers`): ``RadixTree.apply_event`` on the
+  same events in its JSON form, encoded before the clock starts (its local block hashes,
+  XXH3 of each block's tokens, computed then too); ``find_matches`` of the prompt's local
+  hashes, timed with ``compute_block_hash_for_seq`` (as kvbus's match hashes) and alone.
+  It runs in a subprocess with .venv-peers' python, which pins Dynamo's own deps; when
+  Dynamo is missing, the kvbus rows print and the peer row says so.
+
+Memory: RSS growth while storing, per stored (worker, block). Medians over --repeats
+(a fresh index each), range in brackets.
+
+Run: python bench/bench_index_peers.py [--workers 1000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+BLOCK = 32
+PROMPT_BLOCKS = 128  # 4k tokens
+EVENT_BLOCKS = 16
+SYSTEM_BLOCKS = 8
+# One stored or removed event: (worker, prompt, first block, end block). Engine hashes
+# follow the content, as vLLM's do: the system prompt's blocks are 0-7 in every prompt,
+# a prompt's own blocks prompt * 1000 + block; the same on every worker (engines that
+# share a hash seed). A worker stores the system prompt once (later prompts hit it).
+Step = tuple[int, int, int, int]
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[Step], list[Step], list[int]]:
+    """Prompts, stored events, removed events and query prompts: only the standard
+    library, so that the Dynamo child builds exactly the parent's workload."""
+    rng = random.Random(1)
+    system = [rng.randrange(256) for _ in range(8 * BLOCK)]
+    pool = [
+        system + [rng.randrange(256) for _ in range((PROMPT_BLOCKS - 8) * BLOCK)]
+        for _ in range(args.prompts)
+    ]
+    stores: list[Step] = []
+    removals: list[Step] = []
+    for worker in range(args.workers):
+        prompts = rng.sample(range(args.prompts), args.per_worker)
+        for n, prompt in enumerate(prompts):
+            first = 0 if n == 0 else SYSTEM_BLOCKS
+            stores += [
+                (worker, prompt, b, min(b + EVENT_BLOCKS, PROMPT_BLOCKS))
+                for b in range(first, PROMPT_BLOCKS, EVENT_BLOCKS)
+            ]
+        for prompt in prompts[1 : 1 + args.per_worker // 4]:  # leaves first
+            removals += [
+                (worker, prompt, max(b, SYSTEM_BLOCKS), b + EVENT_BLOCKS)
+                for b in reversed(range(0, PROMPT_BLOCKS, EVENT_BLOCKS))
+            ]
+    queries = [rng.randrange(args.prompts) for _ in range(args.queries)]
+    return pool, stores, removals, queries
+
+
+def engine_hash(prompt: int, block: int) -> int:
+    return block if block < SYSTEM_BLOCKS else prompt * 1000 + block
+
+
+def engine_hashes(prompt: int, first: int, end: int) -> list[int]:
+    return [engine_hash(prompt, b) for b in range(first, end)]
+
+
+def blocks(steps: list[Step]) -> int:
+    return sum(end - first for _, _, first, end in steps)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(apply: Callable[[Any], None], items: list[Any], blocks: int) -> tuple[float, int]:
+    """(blocks/s, RSS growth in bytes) of applying ``items`` one by one."""
+    gc.collect()
+    before = rss_bytes()
+    start = time.perf_counter()
+    for item in items:
+        apply(item)
+    return blocks / (time.perf_counter() - start), rss_bytes() - before
+
+
+def latencies(query: Callable[[int], object], prompts: list[int]) -> list[float]:
+    out = []
+    for prompt in prompts:
+        start = time.perf_counter_ns()
+        query(prompt)
+        out.append((time.perf_counter_ns() - start) / 1000)
+    return sorted(out)
+
+
+def one_run(
+    build: Callable[[], Any],
+    apply: Callable[[Any, Any], None],
+    stores: list[tuple[Step, Any]],
+    removals: list[tuple[Step, Any]],
+    queries: dict[str, Callable[[Any, int], object]],
+    prompts: list[int],
+) -> dict[str, float]:
+    index = build()
+    stored = blocks([step for step, _ in stores])
+    store_rate, grown = timed(lambda item: apply(index, item), [e for _, e in stores], stored)
+    removed = blocks([step for step, _ in removals])
+    remove_rate, _ = timed(lambda item: apply(index, item), [e for _, e in removals], removed)
+    result = {"store": store_rate, "remove": remove_rate, "bytes": grown / stored}
+    for name, query in queries.items():
+        found = latencies(lambda p: query(index, p), prompts)  # noqa: B023
+        result[f"{name} p50"] = statistics.median(found)
+        result[f"{name} p99"] = found[int(len(found) * 0.99)]
+    return result
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, tuple[float, float, float]]:
+    return {k: (statistics.median(r[k] for r in runs), *_span(r[k] for r in runs)) for k in runs[0]}
+
+
+def _span(values: Iterator[float]) -> tuple[float, float]:
+    listed = list(values)
+    return min(listed), max(listed)
+
+
+# --- Dynamo, in the peers' python --------------------------------------------------------
+
+
+def dynamo_child(args: argparse.Namespace) -> None:
+    from dynamo._core import RadixTree, compute_block_hash_for_seq  # type: ignore[import-not-found]
+
+    pool, stores, removals, queries = workload(args)
+    local = [compute_block_hash_for_seq(tokens, BLOCK) for tokens in pool]
+    event_ids: dict[int, int] = {}
+
+    def encoded(worker: int, data: object) -> tuple[int, bytes]:
+        event_ids[worker] = event_ids.get(worker, 0) + 1
+        return worker, json.dumps({"event_id": event_ids[worker], "data": data}).encode()
+
+    stored = [
+        (
+            (worker, prompt, first, end),
+            encoded(
+                worker,
+                {
+                    "stored": {
+                        "parent_hash": engine_hash(prompt, first - 1) if first else None,
+                        "blocks": [
+                            {"block_hash": engine_hash(prompt, b), "tokens_hash": local[prompt][b]}
+                            for b in range(first, end)
+                        ],
+                    }
+                },
+            ),
+        )
+        for worker, prompt, first, end in stores
+    ]
+    removed = [
+        (
+            (worker, prompt, first, end),
+            encoded(worker, {"removed": {"block_hashes": engine_hashes(prompt, first, end)}}),
+        )
+        for worker, prompt, first, end in removals
+    ]
+    runs = [
+        one_run(
+            RadixTree,
+            lambda tree, item: tree.apply_event(*item),
+            stored,
+            removed,
+            {
+                "match": lambda tree, p: (
+                    tree.find_matches(compute_block_hash_for_seq(pool[p], BLOCK)).scores
+                ),
+                "find_matches": lambda tree, p: tree.find_matches(local[p]).scores,
+            },
+            queries,
+        )
+        for _ in range(args.repeats)
+    ]
+    print(json.dumps(runs))
+
+
+def run_dynamo(args: argparse.Namespace) -> list[dict[str, float]] | str:
+    """Dynamo's runs, or why there are none."""
+    if not PEERS_PYTHON.exists():
+        return f"missing: no {PEERS_PYTHON} (bash scripts/install.sh peers)"
+    probe = subprocess.run(
+        [str(PEERS_PYTHON), "-c", "import dynamo._core"], capture_output=True, check=False
+    )
+    if probe.returncode:
+        return "missing: ai-dynamo-runtime is not in .venv-peers (bash scripts/install.sh peers)"
+    argv = [a for a in sys.argv[1:] if a != "--child"]
+    child = subprocess.run(
+        [str(PEERS_PYTHON), __file__, "--child", *argv], capture_output=True, text=True
+    )
+    if child.returncode:
+        return f"failed: {child.stderr.strip().splitlines()[-1:]}"
+    runs: list[dict[str, float]] = json.loads(child.stdout)
+    return runs
+
+
+# --- kvbus ---------------------------------------------------------------------------
+
+
+def run_kvbus(args: argparse.Namespace) -> list[dict[str, float]]:
+    sys.path.insert(0, str(REPO))
+    from kvbus import BlockRemoved, BlockStored
+    from kvbus.index import PrefixIndex
+
+    pool, stores, removals, queries = workload(args)
+
+    def stored_event(prompt: int, first: int, end: int) -> BlockStored:
+        hashes: list[int | bytes] = list(engine_hashes(prompt, first, end))
+        tokens = pool[prompt][first * BLOCK : end * BLOCK]
+        parent = engine_hash(prompt, first - 1) if first else None
+        return BlockStored(hashes, parent, tokens, BLOCK, None, "GPU", None)
+
+    # As the subscriber hands them over: one worker's events of one step at a time.
+    stored = [(s, (f"worker-{s[0]}/dp0", [stored_event(*s[1:])])) for s in stores]
+    removed = [
+        (s, (f"worker-{s[0]}/dp0", [BlockRemoved(list(engine_hashes(*s[1:])), "GPU")]))
+        for s in removals
+    ]
+    return [
+        one_run(
+            lambda: PrefixIndex(BLOCK),
+            lambda index, item: index.apply_events(*item),
+            stored,
+            removed,
+            {"match": lambda index, p: index.match(pool[p])},
+            queries,
+        )
+        for _ in range(args.repeats)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, default=1000)
+    parser.add_argument("--per-worker", type=int, default=16, help="4k prompts cached each")
+    parser.add_argument("--prompts", type=int, default=2000, help="distinct 4k prompts")
+    parser.add_argument("--queries", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        dynamo_child(args)
+        return
+    _, stores, removals, _ = workload(args)
+    stored = blocks(stores)
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, python "
+        f"{platform.python_version()}; {args.workers} workers, {stored:,} blocks stored "
+        f"then {blocks(removals):,} removed in {EVENT_BLOCKS}-block events, "
+        f"{args.prompts} distinct 4k prompts, {args.queries} queries; "
+        f"medians of {args.repeats} (range)"
+    )
+    kvbus = medians(run_kvbus(args))
+    dynamo = run_dynamo(args)
+    rows = [("kvbus PrefixIndex", kvbus)]
+    if isinstance(dynamo, str):
+        print(f"Dynamo RadixTree: {dynamo}")
+    else:
+        rows.append(("Dynamo RadixTree", medians(dynamo)))
+    columns = ["store", "remove", "match p50", "match p99", "find_matches p50", "bytes"]
+    print(f"\n{'index (blocks/s; µs)':22}" + "".join(f"{c:>32}" for c in columns))
+    for name, figures in rows:
+        cells = []
+        for column in columns:
+            if column not in figures:
+                cells.append(f"{'-':>32}")
+                continue
+            mid, low, high = figures[column]
+            fmt = "{:,.0f}" if column in ("store", "remove") else "{:,.1f}"
+            cells.append(
+                f"{fmt.format(mid) + ' (' + fmt.format(low) + '-' + fmt.format(high) + ')':>26}"
+            )
+        print(f"{name:22}" + "".join(cells))
+    if len(rows) == 2:
+        theirs = rows[1][1]
+        print(
+            "\nkvbus / Dynamo: "
+            + ", ".join(
+                f"{c} {kvbus[c][0] / theirs[c][0]:.2f}x"
+                for c in ("store", "remove", "match p50", "match p99", "bytes")
+            )
+            + " (rates: higher is better; latencies, bytes: lower is better)"
+        )
+
+
+if __name__ == "__main__":
+    main()
