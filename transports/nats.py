@@ -13,7 +13,7 @@ existing stream is updated to them when given:
 ``replicas``        JetStream replicas (default 1)
 ``storage``         ``file`` (default) or ``memory``
 ``duplicate_window`` seconds the server remembers message ids (default 120)
-``timeout``         seconds to wait for acks and idle reads (default 5)
+``timeout``         seconds to wait for acks and API replies (default 5)
 =================== ============================================================
 
 Delivery: ``append`` returns once JetStream acknowledged every record (stored per the
@@ -30,6 +30,16 @@ together (``publish_async``), never one round trip per message. Reads use an ord
 consumer from a stream sequence and reconnect forever through nats-py's own
 reconnection; a read that stops making progress while the stream grows is restarted
 from its position. Positions are ``stream_seq << 16 | index``.
+
+Clusters: name several servers (``nats://h1:4222,h2:4222,h3:4222?replicas=3``); nats-py
+connects to one, learns the others from the cluster and moves on when its server dies.
+With ``replicas=3`` an append is acknowledged once a majority of the replicas stored it,
+so the loss of any one server loses nothing acknowledged. When the stream leader's server
+dies, JetStream takes seconds to elect another (5-8 s in tests/test_cluster.py); until
+then nothing answers for the stream: appends fail at once with "no responders" and the
+publisher retries (its queue holds what is published meanwhile, and message ids make a
+retry of a stored pack harmless), and a read whose consumer died with a server is
+restarted from its position once the stream answers again.
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ log = logging.getLogger("kvbus.transports.nats")
 DEFAULT_TIMEOUT: Final = 5.0
 _HEADER_ROOM: Final = 512  # room left in max_payload for the headers of one message
 _WHOLE_PACK: Final = 0xFFFF  # an index past any pack's last message
+_PROBE_TIMEOUT: Final = 0.5  # seconds a leaderless stream's info request is waited for
+_IDLE_CHECK: Final = 1.0  # seconds without a message after which a read looks at the stream
 
 
 class StalledRead(ConnectionError):
@@ -184,8 +196,37 @@ class NatsTransport(Transport):
         try:
             acked.result()
         except nats.js.errors.NoStreamResponseError:
-            self._ready.discard(stream)  # the stream was deleted: create it again
+            await self._forget_if_deleted(stream)
             raise
+
+    async def _forget_if_deleted(self, stream: str) -> None:
+        """After a publish no stream answered, create the stream again on the next
+        append if it was deleted.
+
+        In a cluster, nothing answers for seconds while a new leader is elected after
+        the stream leader's server died, and asking for the stream's info then waits out
+        the whole timeout: so ask briefly, and forget the stream only when JetStream says
+        it does not exist. A publisher retries; its packs go through once a leader is.
+        """
+        js = await self._connect()
+        try:
+            await self._probe(js, f"KVBUS_{stream}")
+        except nats.js.errors.NotFoundError:
+            self._ready.discard(stream)
+
+    @staticmethod
+    async def _probe(js: JetStreamContext, name: str) -> api.StreamState | None:
+        """The stream's state, or None when no leader answers now (a cluster electing
+        one): after a short wait, not the whole timeout."""
+        try:
+            return (await asyncio.wait_for(js.stream_info(name), _PROBE_TIMEOUT)).state
+        except (
+            TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,
+        ) as error:
+            log.debug("kvbus: nats stream %s has no leader now: %r", name, error)
+            return None
 
     def _msg_id(self, subject: str, msg_id: str) -> str:
         """The same for every retry of a pack by this transport, unguessable by others."""
@@ -284,17 +325,26 @@ class NatsTransport(Transport):
             pending_msgs_limit=4096,
         )
         seen = (start or 1) - 1
+        behind = 0  # the stream's last seq when the previous idle check looked
         prefix = f"kvbus.{stream}."
+        idle = min(self.timeout, _IDLE_CHECK)
         try:
             while True:
                 try:
-                    msg = await sub.next_msg(timeout=self.timeout)
+                    msg = await sub.next_msg(timeout=idle)
                 except nats.errors.TimeoutError:
-                    state = (await js.stream_info(name)).state
+                    # Quiet for a while: a consumer lost with its server or its
+                    # stream's leader (nats-py notices only after missed heartbeats)
+                    # is restarted when messages stored an idle check ago are still
+                    # not here; while no leader answers, there is nothing to read.
+                    state = await self._probe(js, name)
+                    if state is None:
+                        continue
                     if not follow and (seen >= end or state.first_seq > end):
                         return
-                    if state.last_seq > seen:
+                    if behind > seen:
                         raise StalledRead(f"nats read of {name} stuck after {seen}") from None
+                    behind = state.last_seq
                     continue
                 sequence = msg.metadata.sequence.stream
                 if start is not None and sequence > seen + 1 and seen == start - 1:
