@@ -227,7 +227,7 @@ def run_engines(spec: FleetSpec, engines: list[int], control: Connection) -> Non
             batch = payloads[spec.variant(e)][position[e] % len(batches)]
             position[e] += 1
             accepted = kv[e].publish(batch)
-            if when >= window_start:
+            if window_start <= now < end:  # by publish time, as the consumer counts
                 report.published += accepted
                 late.append(now - when)
             heapq.heapreplace(due, (when + 1 / spec.rate(e), e, 0))
@@ -423,9 +423,9 @@ def spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Connection]:
     return process, ours
 
 
-def measure(
-    nats: tuple[str, int], engines: int, scale: float, apply_index: bool, args: Any, tag: str
-) -> Point:
+def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: str) -> list[Point]:
+    """One fleet, followed by the router and the bus-only consumer side by side (the
+    same traffic and the same machine noise for both); then each replays the history."""
     url, nats_pid = nats
     spec = FleetSpec(
         url + "?max_age=300",
@@ -439,9 +439,11 @@ def measure(
         args.metrics_interval,
     )
     setup = time.time()
-    consumer, ours = spawn(run_consumer, spec, apply_index, args.qps)
-    assert ours.recv() == "ready"
-    groups = [list(range(engines))[i :: args.processes] for i in range(args.processes)]
+    consumers = {index: spawn(run_consumer, spec, index, args.qps) for index in (True, False)}
+    for _, pipe in consumers.values():
+        assert pipe.recv() == "ready"
+    processes = args.processes or min(40, max(2, engines // 25))
+    groups = [list(range(engines))[i::processes] for i in range(processes)]
     publishers = [spawn(run_engines, spec, group) for group in groups if group]
     for _, pipe in publishers:
         assert pipe.recv() == "ready"
@@ -450,9 +452,11 @@ def measure(
     window_start, end = start + args.warmup, start + args.warmup + args.seconds
     for _, pipe in publishers:
         pipe.send((start, window_start, end))
-    ours.send((start, window_start, end, end + args.drain))
+    for _, pipe in consumers.values():
+        pipe.send((start, window_start, end, end + args.drain))
     pids = {
-        "consumer": [consumer.pid],
+        "router": [consumers[True][0].pid],
+        "bus": [consumers[False][0].pid],
         "publishers": [p.pid for p, _ in publishers],
         "nats": [nats_pid],
     }
@@ -468,49 +472,58 @@ def measure(
     after = sample()
     cpu = {k: (after[k] - before[k]) / args.seconds for k in after}
     reports = [msgspec.msgpack.decode(pipe.recv(), type=PublisherReport) for _, pipe in publishers]
-    router = msgspec.msgpack.decode(ours.recv(), type=ConsumerReport)
-    consumer.join(30)
+    followed = {
+        index: msgspec.msgpack.decode(pipe.recv(), type=ConsumerReport)
+        for index, (_, pipe) in consumers.items()
+    }
+    for process, _ in consumers.values():
+        process.join(30)
     for _, pipe in publishers:
         pipe.send("close")
     for process, _ in publishers:
         process.join(60)
-    replayer, pipe = spawn(run_replay, spec, apply_index, args.replay_seconds)
-    replay = msgspec.msgpack.decode(pipe.recv(), type=ReplayReport)
-    replayer.join(30)
     offered_kv, offered_metrics = spec.offered()
     published = sum(r.published for r in reports)
-    return Point(
-        engines=engines,
-        scale=scale,
-        consumer="router" if apply_index else "bus only",
-        offered_kv=offered_kv,
-        offered_metrics=offered_metrics,
-        published_per_s=published / args.seconds,
-        applied_per_s=router.applied / args.seconds,
-        load_applied_per_s=router.metrics / args.seconds,
-        lag_p50_ms=router.lag_p50 * 1e3,
-        lag_p99_ms=router.lag_p99 * 1e3,
-        unapplied=published - router.applied,
-        route_p50_us=router.route_p50 * 1e6,
-        route_p99_us=router.route_p99 * 1e6,
-        routes=router.routes,
-        routed_with_prefix=router.routed_with_prefix,
-        workers=router.workers,
-        consumer_cpu=cpu["consumer"],
-        publishers_cpu=cpu["publishers"],
-        nats_cpu=cpu["nats"],
-        machine_cpu=cpu["machine"],
-        rss_mib=router.rss_mib,
-        peak_rss_mib=router.peak_rss_mib,
-        late_p99_ms=max(r.late_p99 for r in reports) * 1e3,
-        dropped=sum(r.dropped for r in reports),
-        lost=router.lost,
-        resyncs=router.resyncs,
-        malformed=router.malformed,
-        replay_per_s=replay.batches / replay.seconds,
-        replay_cpu_us=replay.cpu_seconds / max(1, replay.batches) * 1e6,
-        setup_s=setup_s,
-    )
+    points = []
+    for index, router in followed.items():
+        replayer, pipe = spawn(run_replay, spec, index, args.replay_seconds)
+        replay = msgspec.msgpack.decode(pipe.recv(), type=ReplayReport)
+        replayer.join(30)
+        points.append(
+            Point(
+                engines=engines,
+                scale=scale,
+                consumer="router" if index else "bus only",
+                offered_kv=offered_kv,
+                offered_metrics=offered_metrics,
+                published_per_s=published / args.seconds,
+                applied_per_s=router.applied / args.seconds,
+                load_applied_per_s=router.metrics / args.seconds,
+                lag_p50_ms=router.lag_p50 * 1e3,
+                lag_p99_ms=router.lag_p99 * 1e3,
+                unapplied=published - router.applied,
+                route_p50_us=router.route_p50 * 1e6,
+                route_p99_us=router.route_p99 * 1e6,
+                routes=router.routes,
+                routed_with_prefix=router.routed_with_prefix,
+                workers=router.workers,
+                consumer_cpu=cpu["router" if index else "bus"],
+                publishers_cpu=cpu["publishers"],
+                nats_cpu=cpu["nats"],
+                machine_cpu=cpu["machine"],
+                rss_mib=router.rss_mib,
+                peak_rss_mib=router.peak_rss_mib,
+                late_p99_ms=max(r.late_p99 for r in reports) * 1e3,
+                dropped=sum(r.dropped for r in reports),
+                lost=router.lost,
+                resyncs=router.resyncs,
+                malformed=router.malformed,
+                replay_per_s=replay.batches / replay.seconds,
+                replay_cpu_us=replay.cpu_seconds / max(1, replay.batches) * 1e6,
+                setup_s=setup_s,
+            )
+        )
+    return points
 
 
 # --- the tables -----------------------------------------------------------------------------------
@@ -624,14 +637,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--points",
-        default="100@1,1000@0.1,1000@0.05,1000@0.02",
+        default="20@1,100@0.2,300@0.067,1000@0.02,100@0.5",
         help="ENGINES@SCALE,...: fleet sizes, each at the production rates times SCALE",
     )
     parser.add_argument("--rate-min", type=float, default=20.0, help="batches/s, slowest engine")
     parser.add_argument("--rate-max", type=float, default=100.0, help="batches/s, fastest engine")
     parser.add_argument("--metrics-interval", type=float, default=0.25, help="busy load records")
     parser.add_argument("--share", type=int, default=8, help="engines holding each variant")
-    parser.add_argument("--processes", type=int, default=4, help="publisher processes")
+    parser.add_argument(
+        "--processes", type=int, default=0, help="publisher processes (0: one per 25 engines)"
+    )
     parser.add_argument("--qps", type=float, default=100.0, help="route() queries per second")
     parser.add_argument("--seconds", type=float, default=15.0, help="measured window")
     parser.add_argument("--warmup", type=float, default=3.0)
@@ -649,7 +664,8 @@ def main() -> None:
         f"Fleet points {args.points} (engines@scale of {args.rate_min:g}-{args.rate_max:g} kv "
         f"batches/s per engine, recorded vLLM batches, {args.share} engines per variant, a "
         f"load record every {args.metrics_interval:g} s / scale, at most {HEARTBEAT:g} s); "
-        f"{args.processes} publisher processes; {args.qps:g} route() queries/s; window "
+        f"{args.processes or 'one per 25 engines'} publisher processes; {args.qps:g} "
+        f"route() queries/s; window "
         f"{args.seconds:g} s after {args.warmup:g} s; {os.cpu_count()} cores (shared)."
     )
     results: dict[tuple[int, float, str], list[Point]] = {}
@@ -661,11 +677,8 @@ def main() -> None:
         try:
             for engines, scale in points:
                 for repeat in range(args.repeats):
-                    # alternate, so a shared machine's drifts hit both consumers alike
-                    for apply_index in (True, False) if repeat % 2 == 0 else (False, True):
-                        tag = f"{engines}s{scale:g}{'r' if apply_index else 'b'}{repeat}"
-                        tag = tag.replace(".", "_")
-                        point = measure(nats, engines, scale, apply_index, args, tag)
+                    tag = f"{engines}s{scale:g}r{repeat}".replace(".", "_")
+                    for point in measure(nats, engines, scale, args, tag):
                         results.setdefault((engines, scale, point.consumer), []).append(point)
                         print(
                             f"  {engines}@{scale:g} {point.consumer}: applied "
