@@ -124,26 +124,30 @@ class _UndecodedBatch:
     does for it, and a consumer that wants only some bodies (one source, the newest
     load...) should not pay it for all. The subscriber has checked that the batch
     decodes (`check_kv_batch`), so reading it cannot fail. One per subscription: it
-    counts skipped events into that subscription's stats.
+    counts skipped events into that subscription's stats, and the bodies read, so that
+    a consumer that reads them all gets them decoded at once (without the check).
     """
 
-    __slots__ = ("stats", "stream")
+    __slots__ = ("read", "stats", "stream")
 
     def __init__(self, stats: SubscriptionStats, stream: str) -> None:
         self.stats = stats
         self.stream = stream
+        self.read = 0
+        """Bodies decoded because a consumer read them."""
 
-    def decode(self, message: Message) -> KVEventBatch:
-        batch, skipped = decode_kv_batch(message.payload)
+    def decode(self, source: str, epoch: int, seq: int, payload: bytes) -> KVEventBatch:
+        """The batch in ``payload`` (raises ``msgspec.DecodeError`` unless checked)."""
+        batch, skipped = decode_kv_batch(payload)
         if skipped:
             self.stats.skipped_events += skipped
             _limited.warning(
                 "skipped_events",
                 "kvbus: skipped %d unknown or malformed events in %s:%s:%s",
                 skipped,
-                shown(message.source),
-                message.epoch,
-                message.seq,
+                shown(source),
+                epoch,
+                seq,
             )
         return batch
 
@@ -171,7 +175,8 @@ class Message(msgspec.Struct, frozen=True, gc=False):
         """The decoded payload (a KV batch is decoded when first read)."""
         body = self._body
         if isinstance(body, _UndecodedBatch):
-            body = body.decode(self)
+            body.read += 1
+            body = body.decode(self.source, self.epoch, self.seq, self.payload)
             msgspec.structs.force_setattr(self, "_body", body)
         return body
 
@@ -353,6 +358,7 @@ class Subscription:
         self._ready: deque[tuple[Item, int | None, Position | None]] = deque()
         self._arrivals = 0
         self._undecoded = _UndecodedBatch(self.stats, self.stream)
+        self._delivered_undecoded = 0
         # Pages of entries read ahead by the reader task, each with the position read
         # before it. A deque and two events rather than an asyncio.Queue: a replay
         # moves hundreds of thousands of entries per second.
@@ -506,6 +512,10 @@ class Subscription:
         horizon = self._horizon()
         states, sources, ready = self._states, self.sources, self._ready
         max_bytes, undecoded = self._max_message_bytes, self._undecoded
+        # Nothing of the last slice waits in _ready: if the consumer read every body
+        # delivered undecoded so far, it reads them all; decode this slice's at once.
+        eager = 0 < self._delivered_undecoded == undecoded.read
+        body: Body | _UndecodedBatch = undecoded
         delivered = 0
         for index in range(start, stop):
             entry = page[index]
@@ -527,7 +537,12 @@ class Subscription:
                     and (sources is None or envelope.source in sources)
                     and envelope.seq <= (horizon - envelope.epoch) // _NS_PER_SEQ + 1
                 ):
-                    KV_BATCH_SHAPE.decode(envelope.payload)  # see `check_kv_batch`
+                    if eager:
+                        body = undecoded.decode(
+                            envelope.source, envelope.epoch, envelope.seq, envelope.payload
+                        )
+                    else:
+                        KV_BATCH_SHAPE.decode(envelope.payload)  # see `check_kv_batch`
                     state.seq = envelope.seq
                     state.position = position
                     state.anchor = (order, position)
@@ -538,7 +553,7 @@ class Subscription:
                         envelope.seq,
                         Kind.KV,
                         envelope.ts,
-                        undecoded,
+                        body,
                         envelope.payload,
                         position,
                     )
@@ -555,6 +570,8 @@ class Subscription:
             order += 1
             previous = position
         self.stats.delivered += delivered
+        if not eager:
+            self._delivered_undecoded += delivered
         self._arrivals = order
         self._page_index = stop
         self._page_previous = self._read_position = previous
@@ -735,7 +752,9 @@ class Subscription:
         if order is not None:
             state.anchor = (order, position)
         body = self._decode_body(envelope, position)
-        if body is None:
+        if body is self._undecoded:
+            self._delivered_undecoded += 1
+        elif body is None:
             state.seq = envelope.seq
             return
         if body is _MALFORMED:  # its effect on the consumer's state is lost
