@@ -517,19 +517,25 @@ class Subscription:
         eager = 0 < self._delivered_undecoded == undecoded.read
         body: Body | _UndecodedBatch = undecoded
         delivered = 0
-        for index in range(start, stop):
-            entry = page[index]
+        # Bound once: this loop runs for every message.
+        decode, check, append, kv = (
+            ENVELOPE_DECODER.decode,
+            KV_BATCH_SHAPE.decode,
+            ready.append,
+            Kind.KV,
+        )
+        for entry in page[start:stop]:
             position = entry.position
             data = entry.data
             try:
-                envelope = ENVELOPE_DECODER.decode(data)
+                envelope = decode(data)
                 state = states.get(envelope.source)
                 if (
                     state is not None
                     and envelope.seq == state.seq + 1
                     and envelope.epoch == state.epoch  # checked when the state began
                     and not state.held
-                    and envelope.kind == Kind.KV
+                    and envelope.kind == kv
                     and not envelope.lost_from
                     and envelope.version <= SCHEMA_VERSION
                     and len(data) <= max_bytes
@@ -542,7 +548,7 @@ class Subscription:
                             envelope.source, envelope.epoch, envelope.seq, envelope.payload
                         )
                     else:
-                        KV_BATCH_SHAPE.decode(envelope.payload)  # see `check_kv_batch`
+                        check(envelope.payload)  # see `check_kv_batch`
                     state.seq = envelope.seq
                     state.position = position
                     state.anchor = (order, position)
@@ -551,13 +557,13 @@ class Subscription:
                         envelope.source,
                         envelope.epoch,
                         envelope.seq,
-                        Kind.KV,
+                        kv,
                         envelope.ts,
                         body,
                         envelope.payload,
                         position,
                     )
-                    ready.append((message, order, previous))
+                    append((message, order, previous))
                     delivered += 1
                     order += 1
                     previous = position
