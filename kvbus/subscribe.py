@@ -432,8 +432,12 @@ class Subscription:
             self._page, self._page_index = page, 0
             self._inbox_entries -= len(page)
             self._inbox_bytes -= size
-            if self._inbox_entries <= _INBOX_LOW and self._inbox_bytes <= _INBOX_LOW_BYTES:
+            drained = self._inbox_entries <= _INBOX_LOW and self._inbox_bytes <= _INBOX_LOW_BYTES
+            if drained and not self._inbox_drained.is_set():
                 self._inbox_drained.set()
+                # Let the reader ask for its next page now: the backend prepares it
+                # while this one is ingested, not after.
+                await asyncio.sleep(0)
 
     @property
     def cursor(self) -> Cursor:
