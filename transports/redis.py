@@ -122,7 +122,7 @@ class RedisTransport(Transport):
             if page:
                 yield page
             await self._check_trimmed(key, last)
-        count = _CHUNK
+        count = 8  # entries in the first round trip; then as many as held _PAGE_ENVELOPES
         while True:
             if follow:
                 reply = await client.xread({key: last}, count=count, block=self.block_ms)
