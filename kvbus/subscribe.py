@@ -127,26 +127,30 @@ class _UndecodedBatch:
     does for it, and a consumer that wants only some bodies (one source, the newest
     load...) should not pay it for all. The subscriber has checked that the batch
     decodes (`check_kv_batch`), so reading it cannot fail. One per subscription: it
-    counts skipped events into that subscription's stats.
+    counts skipped events into that subscription's stats, and the bodies read, so that
+    a consumer that reads them all gets them decoded at once (without the check).
     """
 
-    __slots__ = ("stats", "stream")
+    __slots__ = ("read", "stats", "stream")
 
     def __init__(self, stats: SubscriptionStats, stream: str) -> None:
         self.stats = stats
         self.stream = stream
+        self.read = 0
+        """Bodies decoded because a consumer read them."""
 
-    def decode(self, message: Message) -> KVEventBatch:
-        batch, skipped = decode_kv_batch(message.payload)
+    def decode(self, source: str, epoch: int, seq: int, payload: bytes) -> KVEventBatch:
+        """The batch in ``payload`` (raises ``msgspec.DecodeError`` unless checked)."""
+        batch, skipped = decode_kv_batch(payload)
         if skipped:
             self.stats.skipped_events += skipped
             _limited.warning(
                 "skipped_events",
                 "kvbus: skipped %d unknown or malformed events in %s:%s:%s",
                 skipped,
-                shown(message.source),
-                message.epoch,
-                message.seq,
+                shown(source),
+                epoch,
+                seq,
             )
         return batch
 
@@ -174,7 +178,8 @@ class Message(msgspec.Struct, frozen=True, gc=False):
         """The decoded payload (a KV batch is decoded when first read)."""
         body = self._body
         if isinstance(body, _UndecodedBatch):
-            body = body.decode(self)
+            body.read += 1
+            body = body.decode(self.source, self.epoch, self.seq, self.payload)
             msgspec.structs.force_setattr(self, "_body", body)
         return body
 
@@ -357,6 +362,7 @@ class Subscription:
         self._ready: deque[tuple[Item, int | None, Position | None]] = deque()
         self._arrivals = 0
         self._undecoded = _UndecodedBatch(self.stats, self.stream)
+        self._delivered_undecoded = 0
         # Pages of entries read ahead by the reader task, each with the position read
         # before it. A deque and two events rather than an asyncio.Queue: a replay
         # moves hundreds of thousands of entries per second.
@@ -431,8 +437,12 @@ class Subscription:
             self._page, self._page_index = page, 0
             self._inbox_entries -= len(page)
             self._inbox_bytes -= size
-            if self._inbox_entries <= _INBOX_LOW and self._inbox_bytes <= _INBOX_LOW_BYTES:
+            drained = self._inbox_entries <= _INBOX_LOW and self._inbox_bytes <= _INBOX_LOW_BYTES
+            if drained and not self._inbox_drained.is_set():
                 self._inbox_drained.set()
+                # Let the reader ask for its next page now: the backend prepares it
+                # while this one is ingested, not after.
+                await asyncio.sleep(0)
 
     @property
     def backlog(self) -> int:
@@ -540,20 +550,30 @@ class Subscription:
         horizon = self._horizon()
         states, sources, ready = self._states, self.sources, self._ready
         max_bytes, undecoded = self._max_message_bytes, self._undecoded
+        # Nothing of the last slice waits in _ready: if the consumer read every body
+        # delivered undecoded so far, it reads them all; decode this slice's at once.
+        eager = 0 < self._delivered_undecoded == undecoded.read
+        body: Body | _UndecodedBatch = undecoded
         delivered = 0
-        for index in range(start, stop):
-            entry = page[index]
+        # Bound once: this loop runs for every message.
+        decode, check, append, kv = (
+            ENVELOPE_DECODER.decode,
+            KV_BATCH_SHAPE.decode,
+            ready.append,
+            Kind.KV,
+        )
+        for entry in page[start:stop]:
             position = entry.position
             data = entry.data
             try:
-                envelope = ENVELOPE_DECODER.decode(data)
+                envelope = decode(data)
                 state = states.get(envelope.source)
                 if (
                     state is not None
                     and envelope.seq == state.seq + 1
                     and envelope.epoch == state.epoch  # checked when the state began
                     and not state.held
-                    and envelope.kind == Kind.KV
+                    and envelope.kind == kv
                     and not envelope.lost_from
                     and envelope.version <= SCHEMA_VERSION
                     and len(data) <= max_bytes
@@ -561,7 +581,12 @@ class Subscription:
                     and (sources is None or envelope.source in sources)
                     and envelope.seq <= (horizon - envelope.epoch) // _NS_PER_SEQ + 1
                 ):
-                    KV_BATCH_SHAPE.decode(envelope.payload)  # see `check_kv_batch`
+                    if eager:
+                        body = undecoded.decode(
+                            envelope.source, envelope.epoch, envelope.seq, envelope.payload
+                        )
+                    else:
+                        check(envelope.payload)  # see `check_kv_batch`
                     state.seq = envelope.seq
                     state.position = position
                     state.anchor = (order, position)
@@ -570,13 +595,13 @@ class Subscription:
                         envelope.source,
                         envelope.epoch,
                         envelope.seq,
-                        Kind.KV,
+                        kv,
                         envelope.ts,
-                        undecoded,
+                        body,
                         envelope.payload,
                         position,
                     )
-                    ready.append((message, order, previous))
+                    append((message, order, previous))
                     delivered += 1
                     order += 1
                     previous = position
@@ -589,6 +614,8 @@ class Subscription:
             order += 1
             previous = position
         self.stats.delivered += delivered
+        if not eager:
+            self._delivered_undecoded += delivered
         self._arrivals = order
         self._page_index = stop
         self._page_previous = self._read_position = previous
@@ -769,7 +796,9 @@ class Subscription:
         if order is not None:
             state.anchor = (order, position)
         body = self._decode_body(envelope, position)
-        if body is None:
+        if body is self._undecoded:
+            self._delivered_undecoded += 1
+        elif body is None:
             state.seq = envelope.seq
             return
         if body is _MALFORMED:  # its effect on the consumer's state is lost

@@ -116,3 +116,25 @@ async def test_a_cursor_taken_in_the_middle_of_a_page_resumes_exactly(memory_url
     for source in "ab":
         assert seqs(first, source) + seqs(rest, source) == list(range(1, 501))
     assert not any(isinstance(i, Resync) for i in first + rest)
+
+
+async def test_a_consumer_that_reads_every_body_gets_them_decoded_at_delivery(
+    memory_url: str,
+) -> None:
+    unknown = msgspec.msgpack.encode([1.0, [{"type": "BlockTeleported"}]])
+    data = [envelope("a", EPOCH, s) for s in range(1, 600)]
+    data += [envelope("a", EPOCH, 600, unknown), envelope("a", EPOCH, 601, b"\xc1")]
+    data += [envelope("a", EPOCH, 602)]
+    await append_raw(memory_url, data)
+    sub = kvbus.subscribe(url=memory_url, follow=False)
+    items: list[Message | Resync] = []
+    async for item in sub:
+        items.append(item)
+        if isinstance(item, Message) and item.seq == 600:
+            # Decoded (and its unknown event counted) before anyone read this body.
+            assert sub.stats.skipped_events == 1
+        elif isinstance(item, Message):
+            assert isinstance(item.body, KVEventBatch) and len(item.body.events) == 1
+    assert seqs(items) == [*range(1, 601), 602]
+    assert Resync("a", EPOCH, ResyncReason.MALFORMED, (601, 601)) in items
+    assert sub.stats.malformed == 1 and sub.stats.skipped_events == 1
