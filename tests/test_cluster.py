@@ -1,5 +1,6 @@
 """Clustered backends, against real servers: a 3-node NATS JetStream cluster whose
-stream leader is killed (SIGKILL) mid-stream and restarted on the same store.
+stream leader is killed (SIGKILL) mid-stream and restarted on the same store, and a
+Redis primary with a replica and a Sentinel whose primary is killed.
 
 Run with ``-s`` to see the failover figures (seconds from the kill to the next message
 delivered); no timing is asserted.
@@ -18,8 +19,8 @@ import pytest
 import kvbus
 from kvbus import Message, Resync
 
-from .conftest import Item, seqs
-from .servers import NatsCluster, NatsNode
+from .conftest import Item, collect, lost_seqs, seqs
+from .servers import NatsCluster, NatsNode, RedisWithSentinel
 from .test_faults import PacedPublishing
 
 TOTAL = 3000
@@ -123,3 +124,70 @@ async def test_subscribers_server_killed(cluster: NatsCluster) -> None:
     reconnects elsewhere and its consumer is recreated on the new leader, from where it
     was."""
     await ride_through_a_kill(cluster, "subkill", "nats://127.0.0.1:{leader.port}")
+
+
+@pytest.fixture
+async def redis_group(tmp_path: Path) -> AsyncIterator[RedisWithSentinel]:
+    group = RedisWithSentinel(tmp_path)
+    await group.start()
+    yield group
+    await group.stop()
+
+
+@pytest.mark.parametrize("wait", [0, 1])
+async def test_redis_primary_killed_sentinel_fails_over(
+    redis_group: RedisWithSentinel, wait: int
+) -> None:
+    """``redis+sentinel://``: the primary is SIGKILLed mid-stream after taking appends
+    its replicas never got (their replication link is cut for 0.3 s: Redis replicates
+    asynchronously), the Sentinel promotes a replica, the old primary is restarted on
+    its store (the Sentinel makes it a replica later). Publisher and follower ride
+    through. Without ``wait`` the appends only the old primary had are lost, and a
+    reader of the history is told so (``Resync(gap)`` with exactly the missing seqs);
+    with ``wait=1`` an append is acknowledged only once a replica has it, and nothing is
+    lost."""
+    group = redis_group
+    url = group.url(wait=1) if wait else group.url()
+    publisher = kvbus.Publisher(url, stream="failover", source="engine")
+    follower = Follower(kvbus.subscribe("failover", url), TOTAL + 2)
+    try:
+        engine = PacedPublishing(publisher, TOTAL, rate=RATE).start()
+        await engine.wait_published(TOTAL // 3)
+        group.link.cut()  # the replicas get nothing more
+        await asyncio.sleep(0.3)
+        group.primary.kill()
+        killed, killed_wall = time.monotonic(), time.time()
+        await asyncio.to_thread(
+            group.sentinel.wait, lambda: group.primary_port() != group.primary.port, 30
+        )
+        promoted = time.monotonic() - killed
+        await asyncio.to_thread(group.primary.start)
+        await engine.join()
+        await publisher.aclose()
+        await asyncio.wait_for(follower.task, 60)
+        late, _ = await collect(url, stream="failover")
+        print(
+            f"\nredis wait={wait}: replica promoted {promoted:.2f} s after the kill, the first "
+            f"message published since delivered after "
+            f"{follower.first_published_after(killed_wall) - killed:.2f} s; "
+            f"{publisher.stats.send_errors} send errors, "
+            f"{follower.sub.stats.transport_errors} read errors, "
+            f"{follower.sub.stats.duplicates} stored copies dropped; "
+            f"a late reader was told of {len(lost_seqs(late))} lost"
+        )
+        assert all(engine.accepted) and publisher.stats.dropped == 0
+        every = set(range(1, TOTAL + 3))
+        for items in (follower.items, late):
+            delivered = seqs(items)
+            assert delivered == sorted(set(delivered))  # in order, each once
+            assert set(delivered) | lost_seqs(items) == every  # the rest announced
+            assert not set(delivered) & lost_seqs(items)
+        if wait:
+            assert seqs(late) == seqs(follower.items) == sorted(every)
+            assert not [i for i in [*late, *follower.items] if isinstance(i, Resync)]
+        else:
+            assert lost_seqs(late), "the appends only the killed primary had were not lost"
+    finally:
+        follower.task.cancel()
+        await follower.sub.aclose()
+        await publisher.aclose()
