@@ -12,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 DEFAULT_URL: Final = "memory://"
 DEFAULT_STREAM: Final = "kv"
 _STREAM_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PASSWORD_OPTION = re.compile(r"((?:^|&)[^=&]*password=)([^&]*)")
 
 
 def resolve_url(url: str | None) -> str:
@@ -41,25 +42,29 @@ def resolve_source(source: str | None) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for logs and reprs (a transport
-    URL carries credentials the way its client library reads them)."""
+    """``url`` with its password (and any ``*password=`` option's value) replaced by
+    ``***``, for logs and reprs (a transport URL carries credentials the way its client
+    library reads them)."""
     try:
         parts = urlsplit(url)
         credentials, at, hosts = parts.netloc.rpartition("@")
     except ValueError:
         return "<unparsable url>"
+    query = _PASSWORD_OPTION.sub(r"\1***", parts.query)
     if not at:
-        return url
+        return urlunsplit(parts._replace(query=query))
     user, colon, _ = credentials.partition(":")
     # A name with no password may be a token (nats://TOKEN@host): hide it as well.
     shown = f"{user}:***" if colon else "***"
-    return urlunsplit(parts._replace(netloc=f"{shown}@{hosts}"))
+    return urlunsplit(parts._replace(netloc=f"{shown}@{hosts}", query=query))
 
 
 def redact_text(text: str, urls: list[str]) -> str:
     """``text`` (an error message) with the credentials of ``urls`` blanked out."""
     for url in urls:
-        credentials = urlsplit(url).netloc.rpartition("@")[0]
-        if credentials:
-            text = text.replace(credentials, "***")
+        parts = urlsplit(url)
+        secrets = [parts.netloc.rpartition("@")[0]]
+        secrets += [m.group(2) for m in _PASSWORD_OPTION.finditer(parts.query)]
+        for secret in filter(None, secrets):
+            text = text.replace(secret, "***")
     return text

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import redis
 from cluster import NatsServer, Server, free_port, get_json
 
 __all__ = [
@@ -16,7 +17,10 @@ __all__ = [
     "NatsCluster",
     "NatsNode",
     "NatsServer",
+    "RedisReplica",
+    "RedisSentinel",
     "RedisServer",
+    "RedisWithSentinel",
     "Server",
     "free_port",
 ]
@@ -48,12 +52,22 @@ class NatsNode(NatsServer):
         return get_json(f"http://127.0.0.1:{self.monitor_port}/healthz").get("status") == "ok"
 
 
+def _unused_port(taken: set[int]) -> int:
+    """A free port not in ``taken`` (then added to it)."""
+    port = free_port()
+    while port in taken:
+        port = free_port()
+    taken.add(port)
+    return port
+
+
 class NatsCluster:
     """``size`` nats-server processes routed to each other on loopback, one JetStream
     cluster; ``url`` names every member, as an operator's URL would."""
 
     def __init__(self, root: Path, size: int = 3) -> None:
         self.nodes = [NatsNode(root / f"n{i}", f"n{i}") for i in range(1, size + 1)]
+        self._pick_ports()
         for node in self.nodes:
             node.data_dir.mkdir(parents=True, exist_ok=True)
             node.peers = [p for p in self.nodes if p is not node]
@@ -69,11 +83,27 @@ class NatsCluster:
         query = "&".join(f"{k}={v}" for k, v in options.items())
         return f"nats://{hosts}" + (f"?{query}" if query else "")
 
-    def start(self) -> None:
+    def start(self, attempts: int = 3) -> None:
+        """Every node, until each says its JetStream is current. A port taken between
+        `free_port` and the bind (other tests run beside these) costs a new set."""
+        for attempt in range(attempts):
+            for node in self.nodes:
+                node.launch()
+            try:
+                for node in self.nodes:
+                    node.wait(node.healthy, 30)
+                return
+            except RuntimeError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+                self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Distinct ports for every node (two free_port calls may agree)."""
+        ports: set[int] = set()
         for node in self.nodes:
-            node.launch()
-        for node in self.nodes:
-            node.wait(node.healthy, 30)
+            node.port, node.route_port, node.monitor_port = (_unused_port(ports) for _ in range(3))
 
     def stop(self) -> None:
         for node in self.nodes:
@@ -98,11 +128,101 @@ class RedisServer(Server):
             "yes",
             "--appendfsync",
             "always",
+            # A replica (re)joining is sent the data at once, not 5 s later.
+            "--repl-diskless-sync-delay",
+            "0",
         ]
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
+
+
+class RedisReplica(RedisServer):
+    """A redis-server replicating the primary on ``primary_port``."""
+
+    name = "redis-replica"
+
+    def __init__(self, data_dir: Path, primary_port: int) -> None:
+        super().__init__(data_dir)
+        self.primary_port = primary_port
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--replicaof", "127.0.0.1", str(self.primary_port)]
+
+    def in_sync(self) -> bool:
+        with redis.Redis(port=self.port) as client:
+            return bool(client.info("replication")["master_link_status"] == "up")
+
+
+class RedisSentinel(Server):
+    """Debian's redis-server as a Sentinel watching ``primary`` as service ``kvbus``,
+    alone (quorum 1) and quick: a primary silent for 1 s is failed over."""
+
+    name = "redis-sentinel"
+
+    def __init__(self, data_dir: Path, primary: RedisServer) -> None:
+        super().__init__(data_dir)
+        self.primary = primary
+
+    def command(self) -> list[str]:
+        config = self.data_dir / "sentinel.conf"  # a Sentinel rewrites its config
+        config.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.data_dir}\n"
+            f"sentinel monitor kvbus 127.0.0.1 {self.primary.port} 1\n"
+            "sentinel down-after-milliseconds kvbus 1000\n"
+            "sentinel failover-timeout kvbus 10000\n"
+        )
+        return ["redis-server", str(config), "--sentinel"]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+
+class RedisWithSentinel:
+    """A primary, two replicas and a Sentinel; ``url`` is the ``redis+sentinel://`` one.
+    The replicas reach the primary through ``link``, a proxy a test can cut to keep
+    appends from being replicated. After a failover the Sentinel points the replica it
+    did not promote at the new primary (directly), so ``wait=1`` appends go on."""
+
+    def __init__(self, root: Path) -> None:
+        dirs = [root / name for name in ("primary", "replica1", "replica2", "sentinel")]
+        for directory in dirs:
+            directory.mkdir(parents=True, exist_ok=True)
+        self.primary = RedisServer(dirs[0])
+        self.link = CuttableProxy(self.primary.port)
+        self.replicas = [RedisReplica(d, self.link.port) for d in dirs[1:3]]
+        self.sentinel = RedisSentinel(dirs[3], self.primary)
+
+    def url(self, **options: object) -> str:
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"redis+sentinel://127.0.0.1:{self.sentinel.port}/kvbus" + (
+            f"?{query}" if query else ""
+        )
+
+    async def start(self) -> None:
+        """All of them, until the replicas are in sync and the Sentinel knows them."""
+        await self.link.start()
+        await asyncio.to_thread(self._start)
+
+    def _start(self) -> None:
+        for server in (self.primary, *self.replicas, self.sentinel):
+            server.start()
+        for replica in self.replicas:
+            replica.wait(replica.in_sync, 30)
+        with redis.Redis(port=self.sentinel.port) as sentinel:
+            self.sentinel.wait(lambda: len(sentinel.sentinel_slaves("kvbus")) == 2, 30)
+
+    def primary_port(self) -> int:
+        """The port of the server the Sentinel names primary now."""
+        with redis.Redis(port=self.sentinel.port) as sentinel:
+            return int(sentinel.sentinel_get_master_addr_by_name("kvbus")[1])
+
+    async def stop(self) -> None:
+        for server in (self.sentinel, *self.replicas, self.primary):
+            await asyncio.to_thread(server.stop)
+        await self.link.close()
 
 
 class CuttableProxy:

@@ -1,5 +1,6 @@
 """Clustered backends, against real servers: a 3-node NATS JetStream cluster whose
-stream leader is killed (SIGKILL) mid-stream and restarted on the same store.
+stream leader is killed (SIGKILL) mid-stream and restarted on the same store, and a
+Redis primary with a replica and a Sentinel whose primary is killed.
 
 Run with ``-s`` to see the failover figures (seconds from the kill to the next message
 delivered); no timing is asserted.
@@ -12,14 +13,15 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 
 import kvbus
 from kvbus import Message, Resync
 
-from .conftest import Item, seqs
-from .servers import NatsCluster, NatsNode
+from .conftest import Item, collect, lost_seqs, seqs
+from .servers import NatsCluster, NatsNode, RedisWithSentinel
 from .test_faults import PacedPublishing
 
 TOTAL = 3000
@@ -44,6 +46,47 @@ async def stream_leader(cluster: NatsCluster, stream: str) -> NatsNode:
         return cluster.node(info.cluster.leader)
     finally:
         await nc.close()
+
+
+async def seconds_until_led(cluster: NatsCluster, stream: str) -> float:
+    """Seconds until JetStream answers for ``KVBUS_<stream>`` (a leader is elected),
+    asked every 0.25 s by a plain nats-py client: the server's own failover time."""
+    began = time.monotonic()
+    nc = await nats.connect([node.url for node in cluster], reconnect_time_wait=0.1)
+    js = nc.jetstream(timeout=0.25)
+    try:
+        while True:
+            try:
+                info = await js.stream_info(f"KVBUS_{stream}")
+                if info.cluster is not None and info.cluster.leader:
+                    return time.monotonic() - began
+            except (nats.errors.Error, TimeoutError):
+                await asyncio.sleep(0.01)
+    finally:
+        await nc.close()
+
+
+class Failover(msgspec.Struct):
+    """One kill, as a test run saw it (seconds from the kill)."""
+
+    server: float
+    """until the backend served again (JetStream elected a leader; Sentinel named the
+    new primary)"""
+    delivered: float
+    """until the first message published after the kill reached the subscriber"""
+    send_errors: int
+    read_errors: int
+    copies: int
+    lost: int = 0
+    """seqs a reader of the whole history was told were lost"""
+
+    def __str__(self) -> str:
+        return (
+            f"served again after {self.server:.2f} s, the first message published since "
+            f"delivered after {self.delivered:.2f} s; {self.send_errors} send errors, "
+            f"{self.read_errors} read errors, {self.copies} stored copies dropped, "
+            f"{self.lost} announced lost"
+        )
 
 
 class Follower:
@@ -72,7 +115,9 @@ class Follower:
         )
 
 
-async def ride_through_a_kill(cluster: NatsCluster, stream: str, sub_url: str | None) -> None:
+async def ride_through_a_kill(
+    cluster: NatsCluster, stream: str, sub_url: str | None = None
+) -> Failover:
     """Publish ``TOTAL`` messages at ``RATE`` through the cluster URL with replicas=3,
     follow them (through ``sub_url``, else the cluster URL), SIGKILL the stream's leader
     a third of the way, restart it on its store 1 s later. Asserts every seq arrived
@@ -87,23 +132,23 @@ async def ride_through_a_kill(cluster: NatsCluster, stream: str, sub_url: str | 
         await engine.wait_published(TOTAL // 3)
         killed, killed_wall = time.monotonic(), time.time()
         leader.kill()
+        led = asyncio.create_task(seconds_until_led(cluster, stream))
         await asyncio.sleep(1.0)
         await asyncio.to_thread(leader.start)
         await engine.join()
         await publisher.aclose()
         await asyncio.wait_for(follower.task, 60)
-        new_leader = await stream_leader(cluster, stream)
-        print(
-            f"\n{stream}: killed {leader.name}, new leader {new_leader.name}; "
-            f"the first message published since delivered after "
-            f"{follower.first_published_after(killed_wall) - killed:.2f} s; "
-            f"{publisher.stats.send_errors} send errors, "
-            f"{follower.sub.stats.transport_errors} read errors, "
-            f"{follower.sub.stats.duplicates} stored copies dropped"
+        figures = Failover(
+            await led,
+            follower.first_published_after(killed_wall) - killed,
+            publisher.stats.send_errors,
+            follower.sub.stats.transport_errors,
+            follower.sub.stats.duplicates,
         )
         assert all(engine.accepted) and publisher.stats.dropped == 0
         assert seqs(follower.items) == list(range(1, TOTAL + 3))  # SourceStarted...Stopped
         assert not [i for i in follower.items if isinstance(i, Resync)]
+        return figures
     finally:
         follower.task.cancel()
         await follower.sub.aclose()
@@ -114,7 +159,7 @@ async def test_stream_leader_killed_and_restarted(cluster: NatsCluster) -> None:
     """``nats://h1,h2,h3?replicas=3``: the leader of the R3 stream is killed mid-stream;
     publisher and subscriber (wherever they are connected) ride through: 0 lost, 0
     duplicated."""
-    await ride_through_a_kill(cluster, "leaderkill", None)
+    print(f"\nleader killed: {await ride_through_a_kill(cluster, 'leaderkill')}")
 
 
 async def test_subscribers_server_killed(cluster: NatsCluster) -> None:
@@ -122,4 +167,83 @@ async def test_subscribers_server_killed(cluster: NatsCluster) -> None:
     it learns the others from the cluster) and that server is killed: the subscriber
     reconnects elsewhere and its consumer is recreated on the new leader, from where it
     was."""
-    await ride_through_a_kill(cluster, "subkill", "nats://127.0.0.1:{leader.port}")
+    figures = await ride_through_a_kill(cluster, "subkill", "nats://127.0.0.1:{leader.port}")
+    print(f"\nthe subscriber's server killed: {figures}")
+
+
+@pytest.fixture
+async def redis_group(tmp_path: Path) -> AsyncIterator[RedisWithSentinel]:
+    group = RedisWithSentinel(tmp_path)
+    await group.start()
+    yield group
+    await group.stop()
+
+
+async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
+    """Publish ``TOTAL`` messages at ``RATE`` through ``group``'s Sentinel URL (with
+    ``wait``), follow them, cut the replicas off for 0.3 s and SIGKILL the primary, wait
+    for the Sentinel to promote a replica, restart the old primary on its store. Asserts
+    nothing was dropped and every seq was delivered once, in order, or announced lost,
+    to the follower and to a reader of the whole history afterwards; with ``wait``, that
+    none was lost."""
+    url = group.url(wait=wait) if wait else group.url()
+    publisher = kvbus.Publisher(url, stream="failover", source="engine")
+    follower = Follower(kvbus.subscribe("failover", url), TOTAL + 2)
+    try:
+        engine = PacedPublishing(publisher, TOTAL, rate=RATE).start()
+        await engine.wait_published(TOTAL // 3)
+        group.link.cut()  # the replicas get nothing more
+        await asyncio.sleep(0.3)
+        group.primary.kill()
+        killed, killed_wall = time.monotonic(), time.time()
+        await asyncio.to_thread(
+            group.sentinel.wait, lambda: group.primary_port() != group.primary.port, 30, 0.01
+        )
+        promoted = time.monotonic() - killed
+        await asyncio.to_thread(group.primary.start)
+        await engine.join()
+        await publisher.aclose()
+        await asyncio.wait_for(follower.task, 60)
+        late, _ = await collect(url, stream="failover")
+        figures = Failover(
+            promoted,
+            follower.first_published_after(killed_wall) - killed,
+            publisher.stats.send_errors,
+            follower.sub.stats.transport_errors,
+            follower.sub.stats.duplicates,
+            len(lost_seqs(late)),
+        )
+        assert all(engine.accepted) and publisher.stats.dropped == 0
+        every = set(range(1, TOTAL + 3))
+        for items in (follower.items, late):
+            delivered = seqs(items)
+            assert delivered == sorted(set(delivered))  # in order, each once
+            assert set(delivered) | lost_seqs(items) == every  # the rest announced
+            assert not set(delivered) & lost_seqs(items)
+        if wait:
+            assert seqs(late) == seqs(follower.items) == sorted(every)
+            assert not [i for i in [*late, *follower.items] if isinstance(i, Resync)]
+        return figures
+    finally:
+        follower.task.cancel()
+        await follower.sub.aclose()
+        await publisher.aclose()
+
+
+async def test_redis_primary_killed_without_wait(redis_group: RedisWithSentinel) -> None:
+    """``redis+sentinel://``: the primary is SIGKILLed mid-stream after taking appends
+    its replicas never got (Redis replicates asynchronously); the Sentinel promotes a
+    replica, the old primary is restarted on its store. Publisher and follower ride
+    through; the appends only the old primary had are lost, and a reader of the history
+    is told so (``Resync(gap)`` with exactly the missing seqs), never silently."""
+    figures = await redis_failover(redis_group, wait=0)
+    print(f"\nredis primary killed: {figures}")
+    assert figures.lost, "the appends only the killed primary had were not lost"
+
+
+async def test_redis_primary_killed_with_wait(redis_group: RedisWithSentinel) -> None:
+    """The same with ``wait=1``: an append is acknowledged only once a replica has it,
+    so the failover loses nothing."""
+    figures = await redis_failover(redis_group, wait=1)
+    print(f"\nredis primary killed, wait=1: {figures}")
+    assert figures.lost == 0

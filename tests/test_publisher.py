@@ -167,12 +167,14 @@ def test_trailing_drops_are_announced_without_a_further_publish(memory_url: str)
     publisher.close()
 
 
-@pytest.mark.parametrize("scheme", ["redis", "nats"])
+@pytest.mark.parametrize("scheme", ["redis", "nats", "redis+sentinel"])
 async def test_passwords_stay_out_of_logs_and_repr(
     scheme: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     option = "timeout" if scheme == "nats" else "socket_connect_timeout"
     url = f"{scheme}://kvbus-user:s3cret-pw@127.0.0.1:{free_port()}?{option}=0.5"
+    if scheme == "redis+sentinel":  # the service, and the Sentinels' own password
+        url = url.replace("?", "/kvbus?sentinel_password=s3cret-sp&")
     with caplog.at_level(logging.INFO, logger="kvbus"):
         publisher = kvbus.Publisher(url, source="engine")
         for _ in range(100):

@@ -142,6 +142,8 @@ _BACKENDS: dict[str, str | TransportFactory] = {
     "tls": "kvbus.transports.nats:NatsTransport",
     "redis": "kvbus.transports.redis:RedisTransport",
     "rediss": "kvbus.transports.redis:RedisTransport",
+    "redis+sentinel": "kvbus.transports.redis:RedisTransport",
+    "rediss+sentinel": "kvbus.transports.redis:RedisTransport",
 }
 
 

@@ -1,4 +1,4 @@
-"""``redis://[[USER]:PASS@]HOST:PORT[/DB][?maxlen=N&block=MS]``: Redis Streams.
+"""``redis://[[USER]:PASS@]HOST:PORT[/DB][?maxlen=N&block=MS&wait=N]``: Redis Streams.
 
 ``rediss://`` connects with TLS; credentials, database and redis-py's own query options
 (``ssl_cert_reqs``, ``socket_timeout``...) are passed to ``redis.asyncio.from_url``.
@@ -19,6 +19,17 @@ Anyone who can write the key can add an entry with an explicit id far in the fut
 fails. Readers skip entries whose id is more than an hour ahead of this clock, and a
 publisher that hits the error deletes them and resets the stream's last id, then
 retries. Keep writers out with ACLs (see the README's trust model).
+
+Replicas: ``redis+sentinel://[[USER]:PASS@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]``
+(``rediss+sentinel://`` for TLS) names Sentinels (default port 26379) rather than a
+server; kvbus uses the primary they name for SERVICE and asks them again whenever a
+connection fails, so it follows a failover (redis-py's ``Sentinel``;
+``sentinel_password`` is the Sentinels' own). Replication is asynchronous: an ``XADD``
+the primary acknowledged and had not yet sent to the replica that is promoted is gone
+after the failover, and consumers get the lost seqs as a gap. ``wait=N`` makes an append
+wait (``WAIT N``, up to ``wait_timeout`` ms, default 1000) until N replicas have it, and
+fail, to be retried, when fewer did: an acknowledged append then survives the failover
+to any of them, at the cost of appends failing while fewer than N replicas are up.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis
 from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
@@ -46,6 +57,8 @@ _FIELD: Final = b"d"
 _MAX_SEQ: Final = 2**64 - 1
 _FUTURE_MS: Final = 3600 * 1000  # an entry id further ahead of this clock is forged
 _DEFAULT_TIMEOUTS: Final = (("socket_timeout", "5"), ("socket_connect_timeout", "2"))
+_DEFAULT_WAIT_MS: Final = 1000
+_SENTINEL_PORT: Final = 26379
 
 
 class RedisTransport(Transport):
@@ -54,6 +67,8 @@ class RedisTransport(Transport):
         options = []
         self.maxlen: int | None = DEFAULT_MAXLEN
         self.block_ms = DEFAULT_BLOCK_MS
+        self.wait_replicas = 0
+        self.wait_ms = _DEFAULT_WAIT_MS
         given = parse_qsl(parts.query)
         names = {key for key, _ in given}
         for key, value in [*given, *(d for d in _DEFAULT_TIMEOUTS if d[0] not in names)]:
@@ -61,24 +76,39 @@ class RedisTransport(Transport):
                 self.maxlen = int(value) or None
             elif key == "block":
                 self.block_ms = int(value)
+            elif key == "wait":
+                self.wait_replicas = int(value)
+            elif key == "wait_timeout":
+                self.wait_ms = int(value)
             else:
                 options.append((key, value))
+        self._sentinel: Any = None
+        if parts.scheme.endswith("+sentinel"):
+            self._sentinel, self._client = _sentinel_client(parts, options)
+            return
         client_url = urlunsplit(parts._replace(query=urlencode(options)))
         if not parts.netloc and not parts.path:
             client_url = f"{parts.scheme}://127.0.0.1:6379"
-        self._client: redis.Redis = redis.Redis.from_url(client_url)
+        self._client = redis.Redis.from_url(client_url)
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:
         key = _key(stream)
         pipe = self._client.pipeline(transaction=False)
         for pack in make_packs(records):
             pipe.xadd(key, {_FIELD: pack.data}, maxlen=self.maxlen, approximate=True)
+        if self.wait_replicas:
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_ms)
         try:
-            await pipe.execute()
+            replies = await pipe.execute()
         except redis.ResponseError as error:
             if "last possible ID" in str(error) or "top item" in str(error):
                 await self._drop_future_entries(key)
             raise  # the publisher retries
+        if self.wait_replicas and replies[-1] < self.wait_replicas:
+            raise ConnectionError(
+                f"redis: {replies[-1]} of {self.wait_replicas} replicas had the append "
+                f"after {self.wait_ms} ms"
+            )
 
     async def _drop_future_entries(self, key: str) -> None:
         """Delete entries whose ids are ahead of the clock and set the stream's last id
@@ -179,6 +209,40 @@ class RedisTransport(Transport):
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
+
+
+def _sentinel_client(parts: SplitResult, options: list[tuple[str, str]]) -> tuple[Any, redis.Redis]:
+    """redis-py's ``Sentinel`` for the hosts of a ``redis+sentinel://`` URL and a client of
+    the primary they name for the service in its path."""
+    from redis.asyncio.connection import SSLConnection, parse_url
+    from redis.asyncio.sentinel import Sentinel
+
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    service, _, db = parts.path.strip("/").partition("/")
+    if not hosts or not service:
+        raise ValueError("redis+sentinel:// needs HOST:PORT[,HOST:PORT...]/SERVICE")
+    sentinels = [urlsplit(f"//{host}") for host in hosts.split(",")]
+    sentinel_password = dict(options).get("sentinel_password")
+    options = [(k, v) for k, v in options if k != "sentinel_password"]
+    # The server options, read as redis.from_url reads them.
+    scheme = parts.scheme.removesuffix("+sentinel")
+    at = f"{credentials}@" if credentials else ""
+    url = urlunsplit((scheme, f"{at}sentinel", f"/{db}", urlencode(options), ""))
+    server: dict[str, Any] = dict(parse_url(url))
+    server.pop("host")
+    # SentinelConnectionPool picks its own connection class (TLS with ssl=True).
+    server["ssl"] = server.pop("connection_class", None) is SSLConnection
+    sentinel_options = {k: v for k, v in server.items() if k.startswith("socket_")}
+    if sentinel_password:
+        sentinel_options["password"] = sentinel_password
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+        [(s.hostname or "127.0.0.1", s.port or _SENTINEL_PORT) for s in sentinels],
+        sentinel_kwargs=sentinel_options,
+        **server,
+    )
+    return sentinel, sentinel.master_for(service)
 
 
 def _raise_if_cancelled() -> None:
