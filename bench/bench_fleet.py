@@ -182,7 +182,9 @@ class FleetSpec(msgspec.Struct, frozen=True):
 
 class PublisherReport(msgspec.Struct):
     published: int = 0
-    """kv batches due in the measured window and accepted by publish()"""
+    """kv batches published in the measured window (accepted by publish())"""
+    history: int = 0
+    """kv batches accepted over the whole run"""
     metrics: int = 0
     dropped: int = 0
     """all Publishers' drop counters at the end"""
@@ -227,6 +229,7 @@ def run_engines(spec: FleetSpec, engines: list[int], control: Connection) -> Non
             batch = payloads[spec.variant(e)][position[e] % len(batches)]
             position[e] += 1
             accepted = kv[e].publish(batch)
+            report.history += accepted
             if window_start <= now < end:  # by publish time, as the consumer counts
                 report.published += accepted
                 late.append(now - when)
@@ -351,6 +354,7 @@ async def _consume(spec: FleetSpec, apply_index: bool, qps: float, control: Conn
 
 class ReplayReport(msgspec.Struct):
     batches: int
+    complete: bool
     seconds: float
     cpu_seconds: float
     peak_rss_mib: float
@@ -364,7 +368,7 @@ async def _replay(spec: FleetSpec, apply_index: bool, limit: float) -> ReplayRep
     """The kv stream's history read from its start (for at most ``limit`` seconds), as a
     (re)starting router reads it before it says ready."""
     router = Router(block_size=BLOCK)
-    batches = 0
+    batches, complete = 0, False
     cpu, began = time.process_time(), time.perf_counter()
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(limit):
@@ -373,8 +377,9 @@ async def _replay(spec: FleetSpec, apply_index: bool, limit: float) -> ReplayRep
                     if apply_index:
                         router.apply_kv(item)
                     batches += isinstance(item, kvbus.Message) and item.kind is kvbus.Kind.KV
+            complete = True
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-    return ReplayReport(batches, seconds, cpu, memory_mib("VmHWM"))
+    return ReplayReport(batches, complete, seconds, cpu, memory_mib("VmHWM"))
 
 
 # --- one measured run ----------------------------------------------------------------------------
@@ -410,6 +415,9 @@ class Point(msgspec.Struct):
     resyncs: dict[str, int]
     malformed: int
     replay_per_s: float
+    replayed: int
+    history: int
+    replay_complete: int
     replay_cpu_us: float
     """consumer CPU µs per replayed batch"""
     setup_s: float
@@ -519,6 +527,9 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
                 resyncs=router.resyncs,
                 malformed=router.malformed,
                 replay_per_s=replay.batches / replay.seconds,
+                replayed=replay.batches,
+                history=sum(r.history for r in reports),
+                replay_complete=replay.complete,
                 replay_cpu_us=replay.cpu_seconds / max(1, replay.batches) * 1e6,
                 setup_s=setup_s,
             )
@@ -531,7 +542,7 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
 
 def median_point(points: list[Point]) -> dict[str, Any]:
     """Each number's median over repeats; losses and Resyncs summed."""
-    summed = {"dropped", "lost", "unapplied", "malformed"}
+    summed = {"dropped", "lost", "unapplied", "malformed", "replay_complete"}
     out: dict[str, Any] = {}
     for field in Point.__struct_fields__:
         values = [getattr(p, field) for p in points]
@@ -562,7 +573,7 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 
 def fleet(m: dict[str, Any], rate_min: float, rate_max: float) -> str:
     scale = m["scale"]
-    return f"{m['engines']} x {rate_min * scale:g}-{rate_max * scale:g}/s"
+    return f"{m['engines']:.0f} x {rate_min * scale:g}-{rate_max * scale:g}/s"
 
 
 def print_tables(results: dict[tuple[int, float, str], list[Point]], args: Any) -> None:
@@ -618,14 +629,15 @@ def print_tables(results: dict[tuple[int, float, str], list[Point]], args: Any) 
         rows.append(
             [fleet(r, args.rate_min, args.rate_max), ratio(r["lag_p99_ms"], b["lag_p99_ms"]),
              ratio(r["consumer_cpu"], b["consumer_cpu"]),
-             f"{r['replay_per_s']:,.0f} / {b['replay_per_s']:,.0f}",
-             ratio(r["replay_per_s"], b["replay_per_s"]),
-             f"{r['replay_cpu_us']:.1f} / {b['replay_cpu_us']:.1f}",
+             f"{r['replayed']:,.0f} / {b['replayed']:,.0f} of {r['history']:,.0f}",
+             f"{r['replay_complete']} / {b['replay_complete']} of {args.repeats}",
+             f"{r['replay_cpu_us']:.0f} / {b['replay_cpu_us']:.0f}",
              f"{messages / max(r['consumer_cpu'], 1e-9) / engine_rate:,.0f}"]
         )  # fmt: skip
     table(
         ["fleet", "lag p99 router/bus", "consumer CPU router/bus",
-         "replay batches/s router / bus", "replay router/bus", "replay CPU µs/batch router / bus",
+         f"history read in {args.replay_seconds:g} s, batches: router / bus of published",
+         "reads complete: router / bus", "read CPU µs/batch router / bus",
          "production engines per router core (live CPU/message)"],
         rows,
     )  # fmt: skip
@@ -652,7 +664,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--drain", type=float, default=3.0, help="seconds to apply the tail")
     parser.add_argument("--replay-seconds", type=float, default=8.0, help="history read")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smoke run: small and short")
     args = parser.parse_args()
     if args.quick:
@@ -683,8 +695,8 @@ def main() -> None:
                         print(
                             f"  {engines}@{scale:g} {point.consumer}: applied "
                             f"{point.applied_per_s:,.0f}/s of {point.published_per_s:,.0f}/s, "
-                            f"lag p99 {point.lag_p99_ms:.1f} ms, replay "
-                            f"{point.replay_per_s:,.0f}/s, machine CPU "
+                            f"lag p99 {point.lag_p99_ms:.1f} ms, history read "
+                            f"{point.replayed:,} of {point.history:,}, machine CPU "
                             f"{point.machine_cpu:.2f}, set-up {point.setup_s:.1f} s",
                             flush=True,
                         )
