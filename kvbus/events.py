@@ -269,27 +269,28 @@ def decode_kv_batch(payload: bytes) -> tuple[KVEventBatch, int]:
     """
     try:
         return _batch_decoder.decode(payload), 0
-    except (msgspec.ValidationError, RecursionError):
+    except (ValueError, RecursionError):  # msgspec's errors, bad UTF-8: see below
         pass
     try:
         old = _array_batch_decoder.decode(payload)
         events = [_from_array(e) for e in old.events]
         return KVEventBatch(old.ts, events, old.data_parallel_rank), 0
-    except (msgspec.ValidationError, RecursionError):
+    except (ValueError, RecursionError):  # msgspec's errors, bad UTF-8: see below
         pass
     # Slow path: keep every event we understand, skip the rest. Past this decode,
-    # nothing raises (see `check_kv_batch`): an event nested too deeply is skipped too.
+    # nothing raises (see `check_kv_batch`): an event nested too deeply or holding a
+    # string that is not UTF-8 is skipped too.
     raw = _raw_batch_decoder.decode(payload)
     kept: list[KVEvent] = []
     for item in raw.events:
         try:
             kept.append(_event_decoder.decode(item))
             continue
-        except (msgspec.DecodeError, RecursionError):
+        except (ValueError, RecursionError):
             pass
         try:
             kept.append(_from_array(_array_event_decoder.decode(item)))
-        except (msgspec.DecodeError, RecursionError):
+        except (ValueError, RecursionError):
             continue
     return KVEventBatch(raw.ts, kept, raw.data_parallel_rank), len(raw.events) - len(kept)
 

@@ -606,7 +606,7 @@ class Subscription:
                     order += 1
                     previous = position
                     continue
-            except (msgspec.DecodeError, RecursionError):
+            except (ValueError, RecursionError):  # msgspec's errors, bad UTF-8
                 pass  # counted (or not) below, as if the fast path had not looked
             opened = self._open(entry, horizon, count=True)
             if opened is not None:

@@ -138,3 +138,25 @@ async def test_a_consumer_that_reads_every_body_gets_them_decoded_at_delivery(
     assert seqs(items) == [*range(1, 601), 602]
     assert Resync("a", EPOCH, ResyncReason.MALFORMED, (601, 601)) in items
     assert sub.stats.malformed == 1 and sub.stats.skipped_events == 1
+
+
+async def test_an_event_with_a_string_that_is_not_utf8_is_skipped_when_read(
+    memory_url: str,
+) -> None:
+    bad = msgspec.Raw(b"\xa1\x80")  # a one-byte string that is not UTF-8
+    payload = msgspec.msgpack.encode(
+        [
+            1.0,
+            [
+                {"type": "BlockRemoved", "block_hashes": [1], "medium": bad},
+                {"type": "AllBlocksCleared"},
+            ],
+        ]
+    )
+    source_bad = b"\x97\x01\x01\xa1\x80" + envelope("a", EPOCH, 1)[5:]  # source not UTF-8
+    await append_raw(memory_url, [envelope("a", EPOCH, 1, payload), source_bad])
+    items, sub = await collect(memory_url)
+    (message,) = items
+    assert isinstance(message, Message)
+    assert message.body == KVEventBatch(1.0, [kvbus.AllBlocksCleared()])
+    assert sub.stats.skipped_events == 1 and sub.stats.malformed == 1
