@@ -20,7 +20,10 @@ Memory: RSS growth while storing, per stored (worker, block), in the first run (
 ones reuse the memory it freed). Medians over --repeats (a fresh index each), range in
 brackets.
 
-Run: python bench/bench_index_peers.py [--workers 1000] [--repeats 5]
+``--against REV`` adds rows for kvbus/index.py as of git revision REV, taking turns
+with the current one (before/after on the same noise).
+
+Run: python bench/bench_index_peers.py [--workers 1000] [--repeats 5] [--against REV]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -232,7 +236,7 @@ def run_dynamo(args: argparse.Namespace) -> list[dict[str, float]] | str:
 # --- kvbus ---------------------------------------------------------------------------
 
 
-def run_kvbus(args: argparse.Namespace) -> list[dict[str, float]]:
+def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     sys.path.insert(0, str(REPO))
     from kvbus import BlockRemoved, BlockStored
     from kvbus.index import PrefixIndex, block_keys
@@ -252,20 +256,39 @@ def run_kvbus(args: argparse.Namespace) -> list[dict[str, float]]:
         for s in removals
     ]
     keys = {p: block_keys(pool[p], BLOCK) for p in set(queries)}
-    return [
-        one_run(
-            lambda: PrefixIndex(BLOCK),
-            lambda index, item: index.apply_events(*item),
-            stored,
-            removed,
-            {
-                "match": lambda index, p: index.match(pool[p]),
-                "lookup": lambda index, p: index.match_keys(keys[p]),
-            },
-            queries,
-        )
-        for _ in range(args.repeats)
-    ]
+    builds = {"kvbus PrefixIndex": PrefixIndex}
+    for revision in args.against:
+        builds[f"kvbus PrefixIndex @{revision}"] = index_at(revision)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
+    for _ in range(args.repeats):  # the revisions take turns: the same noise for each
+        for name, build in builds.items():
+            runs[name].append(
+                one_run(
+                    lambda: build(BLOCK),  # noqa: B023
+                    lambda index, item: index.apply_events(*item),
+                    stored,
+                    removed,
+                    {
+                        "match": lambda index, p: index.match(pool[p]),
+                        "lookup": lambda index, p: index.match_keys(keys[p]),
+                    },
+                    queries,
+                )
+            )
+    return runs
+
+
+def index_at(revision: str) -> Any:
+    """``PrefixIndex`` as kvbus/index.py was at git ``revision`` (the rest of kvbus as now)."""
+    source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{revision}:kvbus/index.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    module = types.ModuleType(f"kvbus_index_at_{revision}")
+    exec(compile(source, f"{revision}:kvbus/index.py", "exec"), module.__dict__)
+    return module.PrefixIndex
 
 
 def main() -> None:
@@ -275,6 +298,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2000, help="distinct 4k prompts")
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--against",
+        nargs="*",
+        default=[],
+        metavar="REV",
+        help="also kvbus/index.py as of these git revisions (before/after)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -289,15 +319,15 @@ def main() -> None:
         f"{args.prompts} distinct 4k prompts, {args.queries} queries; "
         f"medians of {args.repeats} (range)"
     )
-    kvbus = medians(run_kvbus(args))
+    rows = [(name, medians(runs)) for name, runs in run_kvbus(args).items()]
+    kvbus = rows[0][1]
     dynamo = run_dynamo(args)
-    rows = [("kvbus PrefixIndex", kvbus)]
     if isinstance(dynamo, str):
         print(f"Dynamo RadixTree: {dynamo}")
     else:
         rows.append(("Dynamo RadixTree", medians(dynamo)))
     columns = ["store", "remove", "match p50", "match p99", "lookup p50", "bytes"]
-    print(f"\n{'index (blocks/s; µs)':22}" + "".join(f"{c:>32}" for c in columns))
+    print(f"\n{'index (blocks/s; µs)':30}" + "".join(f"{c:>32}" for c in columns))
     for name, figures in rows:
         cells = []
         for column in columns:
@@ -310,9 +340,9 @@ def main() -> None:
             if low != high:
                 cell += f" ({fmt.format(low)}-{fmt.format(high)})"
             cells.append(f" {cell:>31}")
-        print(f"{name:22}" + "".join(cells))
-    if len(rows) == 2:
-        theirs = rows[1][1]
+        print(f"{name:30}" + "".join(cells))
+    if not isinstance(dynamo, str):
+        theirs = rows[-1][1]
         print(
             "\nkvbus / Dynamo: "
             + ", ".join(
