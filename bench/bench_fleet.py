@@ -276,6 +276,8 @@ class ConsumerReport(msgspec.Struct):
     malformed: int = 0
     rss_mib: float = 0.0
     peak_rss_mib: float = 0.0
+    stuck: int = 0
+    """subscriptions still open 10 s after they were cancelled"""
 
 
 def run_consumer(spec: FleetSpec, apply_index: bool, qps: float, control: Connection) -> None:
@@ -337,7 +339,9 @@ async def _consume(spec: FleetSpec, apply_index: bool, qps: float, control: Conn
     await asyncio.sleep(max(0.0, drain_until - time.time()))
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    # A subscription that does not close within 10 s is reported, not waited for.
+    _, pending = await asyncio.wait(tasks, timeout=10)
+    report.stuck = len(pending)
     report.applied = len(lags)
     if lags:
         report.lag_p50, report.lag_p99 = (float(x) for x in np.percentile(lags, [50, 99]))
@@ -420,6 +424,8 @@ class Point(msgspec.Struct):
     replay_complete: int
     replay_cpu_us: float
     """consumer CPU µs per replayed batch"""
+    stuck: int
+    """subscriptions that did not close when cancelled"""
     setup_s: float
 
 
@@ -485,7 +491,9 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
         for index, (_, pipe) in consumers.items()
     }
     for process, _ in consumers.values():
-        process.join(30)
+        process.join(10)
+        if process.is_alive():  # its stuck subscription keeps asyncio.run from ending
+            process.kill()
     for _, pipe in publishers:
         pipe.send("close")
     for process, _ in publishers:
@@ -530,6 +538,7 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
                 replayed=replay.batches,
                 history=sum(r.history for r in reports),
                 replay_complete=replay.complete,
+                stuck=router.stuck,
                 replay_cpu_us=replay.cpu_seconds / max(1, replay.batches) * 1e6,
                 setup_s=setup_s,
             )
@@ -542,7 +551,7 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
 
 def median_point(points: list[Point]) -> dict[str, Any]:
     """Each number's median over repeats; losses and Resyncs summed."""
-    summed = {"dropped", "lost", "unapplied", "malformed", "replay_complete"}
+    summed = {"dropped", "lost", "unapplied", "malformed", "replay_complete", "stuck"}
     out: dict[str, Any] = {}
     for field in Point.__struct_fields__:
         values = [getattr(p, field) for p in points]
@@ -697,7 +706,8 @@ def main() -> None:
                             f"{point.applied_per_s:,.0f}/s of {point.published_per_s:,.0f}/s, "
                             f"lag p99 {point.lag_p99_ms:.1f} ms, history read "
                             f"{point.replayed:,} of {point.history:,}, machine CPU "
-                            f"{point.machine_cpu:.2f}, set-up {point.setup_s:.1f} s",
+                            f"{point.machine_cpu:.2f}, set-up {point.setup_s:.1f} s, "
+                            f"subscriptions stuck at close {point.stuck}",
                             flush=True,
                         )
         finally:
