@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import heapq
 import multiprocessing as mp
 import os
@@ -282,6 +281,15 @@ class ConsumerReport(msgspec.Struct):
 
 def run_consumer(spec: FleetSpec, apply_index: bool, qps: float, control: Connection) -> None:
     asyncio.run(_consume(spec, apply_index, qps, control))
+    os._exit(0)  # a subscription that would not close (reported) must not hold us
+
+
+def _stop_reading(tasks: list[asyncio.Task[None]]) -> Any:
+    """Cancel ``tasks``; at most 10 s for them to end (a NATS subscription stalled by a
+    slow-consumer drop has been seen never to)."""
+    for task in tasks:
+        task.cancel()
+    return asyncio.wait(tasks, timeout=10)
 
 
 async def _consume(spec: FleetSpec, apply_index: bool, qps: float, control: Connection) -> None:
@@ -337,10 +345,7 @@ async def _consume(spec: FleetSpec, apply_index: bool, qps: float, control: Conn
                 router.finished(decision)
             await asyncio.sleep(1 / qps)
     await asyncio.sleep(max(0.0, drain_until - time.time()))
-    for task in tasks:
-        task.cancel()
-    # A subscription that does not close within 10 s is reported, not waited for.
-    _, pending = await asyncio.wait(tasks, timeout=10)
+    _, pending = await _stop_reading(tasks)
     report.stuck = len(pending)
     report.applied = len(lags)
     if lags:
@@ -365,25 +370,31 @@ class ReplayReport(msgspec.Struct):
 
 
 def run_replay(spec: FleetSpec, apply_index: bool, seconds: float, control: Connection) -> None:
-    control.send(msgspec.msgpack.encode(asyncio.run(_replay(spec, apply_index, seconds))))
+    asyncio.run(_replay(spec, apply_index, seconds, control))
+    os._exit(0)
 
 
-async def _replay(spec: FleetSpec, apply_index: bool, limit: float) -> ReplayReport:
+async def _replay(spec: FleetSpec, apply_index: bool, limit: float, control: Connection) -> None:
     """The kv stream's history read from its start (for at most ``limit`` seconds), as a
     (re)starting router reads it before it says ready."""
     router = Router(block_size=BLOCK)
-    batches, complete = 0, False
+    batches = 0
     cpu, began = time.process_time(), time.perf_counter()
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(limit):
-            async with kvbus.subscribe(spec.kv_stream, spec.url, follow=False) as sub:
-                async for item in sub:
-                    if apply_index:
-                        router.apply_kv(item)
-                    batches += isinstance(item, kvbus.Message) and item.kind is kvbus.Kind.KV
-            complete = True
+
+    async def read() -> None:
+        nonlocal batches
+        async with kvbus.subscribe(spec.kv_stream, spec.url, follow=False) as sub:
+            async for item in sub:
+                if apply_index:
+                    router.apply_kv(item)
+                batches += isinstance(item, kvbus.Message) and item.kind is kvbus.Kind.KV
+
+    reading = asyncio.create_task(read())
+    done, _ = await asyncio.wait([reading], timeout=limit)
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-    return ReplayReport(batches, complete, seconds, cpu, memory_mib("VmHWM"))
+    report = ReplayReport(batches, bool(done), seconds, cpu, memory_mib("VmHWM"))
+    control.send(msgspec.msgpack.encode(report))  # before a close that may not end
+    await _stop_reading([reading])
 
 
 # --- one measured run ----------------------------------------------------------------------------
@@ -504,7 +515,9 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
     for index, router in followed.items():
         replayer, pipe = spawn(run_replay, spec, index, args.replay_seconds)
         replay = msgspec.msgpack.decode(pipe.recv(), type=ReplayReport)
-        replayer.join(30)
+        replayer.join(10)
+        if replayer.is_alive():
+            replayer.kill()
         points.append(
             Point(
                 engines=engines,
