@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import heapq
 import multiprocessing as mp
 import os
@@ -276,10 +275,21 @@ class ConsumerReport(msgspec.Struct):
     malformed: int = 0
     rss_mib: float = 0.0
     peak_rss_mib: float = 0.0
+    stuck: int = 0
+    """subscriptions still open 10 s after they were cancelled"""
 
 
 def run_consumer(spec: FleetSpec, apply_index: bool, qps: float, control: Connection) -> None:
     asyncio.run(_consume(spec, apply_index, qps, control))
+    os._exit(0)  # a subscription that would not close (reported) must not hold us
+
+
+def _stop_reading(tasks: list[asyncio.Task[None]]) -> Any:
+    """Cancel ``tasks``; at most 10 s for them to end (a NATS subscription stalled by a
+    slow-consumer drop has been seen never to)."""
+    for task in tasks:
+        task.cancel()
+    return asyncio.wait(tasks, timeout=10)
 
 
 async def _consume(spec: FleetSpec, apply_index: bool, qps: float, control: Connection) -> None:
@@ -335,9 +345,8 @@ async def _consume(spec: FleetSpec, apply_index: bool, qps: float, control: Conn
                 router.finished(decision)
             await asyncio.sleep(1 / qps)
     await asyncio.sleep(max(0.0, drain_until - time.time()))
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    _, pending = await _stop_reading(tasks)
+    report.stuck = len(pending)
     report.applied = len(lags)
     if lags:
         report.lag_p50, report.lag_p99 = (float(x) for x in np.percentile(lags, [50, 99]))
@@ -361,25 +370,31 @@ class ReplayReport(msgspec.Struct):
 
 
 def run_replay(spec: FleetSpec, apply_index: bool, seconds: float, control: Connection) -> None:
-    control.send(msgspec.msgpack.encode(asyncio.run(_replay(spec, apply_index, seconds))))
+    asyncio.run(_replay(spec, apply_index, seconds, control))
+    os._exit(0)
 
 
-async def _replay(spec: FleetSpec, apply_index: bool, limit: float) -> ReplayReport:
+async def _replay(spec: FleetSpec, apply_index: bool, limit: float, control: Connection) -> None:
     """The kv stream's history read from its start (for at most ``limit`` seconds), as a
     (re)starting router reads it before it says ready."""
     router = Router(block_size=BLOCK)
-    batches, complete = 0, False
+    batches = 0
     cpu, began = time.process_time(), time.perf_counter()
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(limit):
-            async with kvbus.subscribe(spec.kv_stream, spec.url, follow=False) as sub:
-                async for item in sub:
-                    if apply_index:
-                        router.apply_kv(item)
-                    batches += isinstance(item, kvbus.Message) and item.kind is kvbus.Kind.KV
-            complete = True
+
+    async def read() -> None:
+        nonlocal batches
+        async with kvbus.subscribe(spec.kv_stream, spec.url, follow=False) as sub:
+            async for item in sub:
+                if apply_index:
+                    router.apply_kv(item)
+                batches += isinstance(item, kvbus.Message) and item.kind is kvbus.Kind.KV
+
+    reading = asyncio.create_task(read())
+    done, _ = await asyncio.wait([reading], timeout=limit)
     seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-    return ReplayReport(batches, complete, seconds, cpu, memory_mib("VmHWM"))
+    report = ReplayReport(batches, bool(done), seconds, cpu, memory_mib("VmHWM"))
+    control.send(msgspec.msgpack.encode(report))  # before a close that may not end
+    await _stop_reading([reading])
 
 
 # --- one measured run ----------------------------------------------------------------------------
@@ -420,6 +435,8 @@ class Point(msgspec.Struct):
     replay_complete: int
     replay_cpu_us: float
     """consumer CPU µs per replayed batch"""
+    stuck: int
+    """subscriptions that did not close when cancelled"""
     setup_s: float
 
 
@@ -485,7 +502,9 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
         for index, (_, pipe) in consumers.items()
     }
     for process, _ in consumers.values():
-        process.join(30)
+        process.join(10)
+        if process.is_alive():  # its stuck subscription keeps asyncio.run from ending
+            process.kill()
     for _, pipe in publishers:
         pipe.send("close")
     for process, _ in publishers:
@@ -496,7 +515,9 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
     for index, router in followed.items():
         replayer, pipe = spawn(run_replay, spec, index, args.replay_seconds)
         replay = msgspec.msgpack.decode(pipe.recv(), type=ReplayReport)
-        replayer.join(30)
+        replayer.join(10)
+        if replayer.is_alive():
+            replayer.kill()
         points.append(
             Point(
                 engines=engines,
@@ -530,6 +551,7 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
                 replayed=replay.batches,
                 history=sum(r.history for r in reports),
                 replay_complete=replay.complete,
+                stuck=router.stuck,
                 replay_cpu_us=replay.cpu_seconds / max(1, replay.batches) * 1e6,
                 setup_s=setup_s,
             )
@@ -542,7 +564,7 @@ def measure(nats: tuple[str, int], engines: int, scale: float, args: Any, tag: s
 
 def median_point(points: list[Point]) -> dict[str, Any]:
     """Each number's median over repeats; losses and Resyncs summed."""
-    summed = {"dropped", "lost", "unapplied", "malformed", "replay_complete"}
+    summed = {"dropped", "lost", "unapplied", "malformed", "replay_complete", "stuck"}
     out: dict[str, Any] = {}
     for field in Point.__struct_fields__:
         values = [getattr(p, field) for p in points]
@@ -697,7 +719,8 @@ def main() -> None:
                             f"{point.applied_per_s:,.0f}/s of {point.published_per_s:,.0f}/s, "
                             f"lag p99 {point.lag_p99_ms:.1f} ms, history read "
                             f"{point.replayed:,} of {point.history:,}, machine CPU "
-                            f"{point.machine_cpu:.2f}, set-up {point.setup_s:.1f} s",
+                            f"{point.machine_cpu:.2f}, set-up {point.setup_s:.1f} s, "
+                            f"subscriptions stuck at close {point.stuck}",
                             flush=True,
                         )
         finally:
