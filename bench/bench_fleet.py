@@ -36,7 +36,8 @@ same subscription, nothing applied, no queries):
   pacer's lateness (a publisher process that cannot keep its schedule), drops
   (publishers' counters) and losses the subscriber announced (Resync with seqs lost).
 
-Run: python bench/bench_fleet.py [--engines 100,300,1000] [--seconds 20] [--repeats 2]
+Run: python bench/bench_fleet.py [--points 20@1,100@0.2,300@0.067,1000@0.02,100@0.5]
+     [--seconds 15] [--repeats 3]   (ENGINES@SCALE: production rates times SCALE)
      python bench/bench_fleet.py --quick   (smoke run, under a minute)
 """
 
