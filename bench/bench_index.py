@@ -93,12 +93,17 @@ def events_for(prompt: list[int], prompt_id: int) -> list[BlockStored]:
     return events
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload's size (bench_index_peers.py runs the same one)."""
     parser.add_argument("--workers", type=int, default=1000)
     parser.add_argument("--per-worker", type=int, default=16, help="4k prompts cached each")
     parser.add_argument("--prompts", type=int, default=2000, help="distinct 4k prompts")
     parser.add_argument("--queries", type=int, default=2000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
     args = parser.parse_args()
     rng = random.Random(1)
     system = [rng.randrange(256) for _ in range(8 * BLOCK)]  # a shared system prompt

@@ -292,11 +292,10 @@ def index_at(revision: str) -> Any:
 
 
 def main() -> None:
+    from bench_index import add_workload_arguments  # this script's directory
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workers", type=int, default=1000)
-    parser.add_argument("--per-worker", type=int, default=16, help="4k prompts cached each")
-    parser.add_argument("--prompts", type=int, default=2000, help="distinct 4k prompts")
-    parser.add_argument("--queries", type=int, default=2000)
+    add_workload_arguments(parser)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--against",

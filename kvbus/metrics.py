@@ -145,13 +145,13 @@ def _retire_publisher(
 ) -> None:
     sample = _publisher_sample(stream, source, stats, latency, 0, 0)
     with _retired_lock:
-        _retired_publishers.update(merge_publishers([*_retired_publishers.values(), sample]))
+        add_into(_retired_publishers, (stream, source), sample)
 
 
 def _retire_subscriber(stream: str, stats: SubscriptionStats) -> None:
     sample = _subscriber_sample(stream, stats, 0, 0.0)
     with _retired_lock:
-        _retired_subscribers.update(merge_subscribers([*_retired_subscribers.values(), sample]))
+        add_into(_retired_subscribers, stream, sample)
 
 
 def _publisher_sample(
@@ -351,25 +351,28 @@ def serve_http(port: int, host: str = "127.0.0.1") -> int:
     return int(server.server_port)
 
 
+_K = TypeVar("_K")
+
+
+def add_into(merged: dict[_K, _S], key: _K, sample: _S) -> None:
+    """Add ``sample`` to ``merged[key]`` (two objects with the same labels are summed)."""
+    seen = merged.get(key)
+    merged[key] = sample if seen is None else add_counts(seen, sample)
+
+
 def merge_publishers(samples: Iterable[PublisherSample]) -> dict[tuple[str, str], PublisherSample]:
-    """Samples by (stream, source); two objects with the same labels are summed."""
+    """Samples by their labels (stream, source)."""
     merged: dict[tuple[str, str], PublisherSample] = {}
     for sample in samples:
-        key = (sample.stream, sample.source)
-        seen = merged.get(key)
-        if seen is not None:
-            sample = add_counts(seen, sample)
-        merged[key] = sample
+        add_into(merged, (sample.stream, sample.source), sample)
     return merged
 
 
 def merge_subscribers(samples: Iterable[SubscriberSample]) -> dict[str, SubscriberSample]:
+    """Samples by their label (stream)."""
     merged: dict[str, SubscriberSample] = {}
     for sample in samples:
-        seen = merged.get(sample.stream)
-        if seen is not None:
-            sample = add_counts(seen, sample)
-        merged[sample.stream] = sample
+        add_into(merged, sample.stream, sample)
     return merged
 
 
