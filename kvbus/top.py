@@ -589,10 +589,14 @@ def render(report: TopReport) -> RenderableType:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="transport URL (default $KVBUS_URL, else memory://)")
-    parser.add_argument("--kv-stream", default=os.environ.get("KVBUS_STREAM", "kv"))
     parser.add_argument(
-        "--metrics-stream", default=os.environ.get("KVBUS_METRICS_STREAM", "metrics")
-    )
+        "--kv-stream", default=os.environ.get("KVBUS_STREAM", "kv"),
+        help="KV events (default $KVBUS_STREAM, else kv)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--metrics-stream", default=os.environ.get("KVBUS_METRICS_STREAM", "metrics"),
+        help="load records (default $KVBUS_METRICS_STREAM, else metrics)",
+    )  # fmt: skip
     parser.add_argument(
         "--interval", type=float, default=1.0, help="seconds between redraws (default 1)"
     )
@@ -604,7 +608,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stale-after", type=float, default=DEFAULT_STALE_AFTER,
         help="seconds without a load record before a worker is stale (default 5)",
     )  # fmt: skip
-    parser.add_argument("--sort", choices=sorted(SORTS), default="source")
+    parser.add_argument(
+        "--sort", choices=sorted(SORTS), default="source",
+        help="row order, the worst first (default: by name)",
+    )  # fmt: skip
     parser.add_argument(
         "--rows", type=int, help="workers shown (default: what fits the terminal; --once: all)"
     )
