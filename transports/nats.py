@@ -26,10 +26,13 @@ and nobody else can send a message id ahead of the publisher to have its packs d
 Trust: the subject names the publishing source, and a reader rejects an envelope that
 claims another (`Entry.sender`), so subject permissions (``publish:
 kvbus.kv.engine-a``) are what authenticates a publisher. All packs of an append are in flight
-together (``publish_async``), never one round trip per message. Reads use an ordered
-consumer from a stream sequence and reconnect forever through nats-py's own
-reconnection; a read that stops making progress while the stream grows is restarted
-from its position. Positions are ``stream_seq << 16 | index``.
+together (``publish_async``), never one round trip per message. Reads use an ephemeral
+pull consumer (in server memory, no acks) from a stream sequence, one pull request of at
+most 1,024 messages and 8 MiB in flight, so a reader that falls behind holds back the
+server instead of overflowing its client; each message's delivery count is checked, and
+a skipped delivery recreates the consumer after the last message read. Reads reconnect
+forever through nats-py's own reconnection; a read that stops making progress while the
+stream grows is restarted from its position. Positions are ``stream_seq << 16 | index``.
 
 Clusters: name several servers (``nats://h1:4222,h2:4222,h3:4222?replicas=3``); nats-py
 connects to one, learns the others from the cluster and moves on when its server dies.
@@ -45,8 +48,10 @@ restarted from its position once the stream answers again.
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import hashlib
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -56,9 +61,11 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import nats
 import nats.errors
 import nats.js.errors
-from kvbus.transports import LATEST, Entry, Position, Record, Transport
+from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
 from kvbus.transports.packing import entries_after, make_packs, position, split_position
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 
 from kvbus.config import redact_text, redact_url
@@ -70,6 +77,10 @@ _HEADER_ROOM: Final = 512  # room left in max_payload for the headers of one mes
 _WHOLE_PACK: Final = 0xFFFF  # an index past any pack's last message
 _PROBE_TIMEOUT: Final = 0.5  # seconds a leaderless stream's info request is waited for
 _IDLE_CHECK: Final = 1.0  # seconds without a message after which a read looks at the stream
+_PULL_BATCH: Final = 1024  # messages one pull request asks for
+_PULL_BYTES: Final = 8 << 20  # bytes one pull request asks for (at least 2 max_payloads)
+_PULL_EXPIRES: Final = 30.0  # seconds the server holds a pull request that found nothing
+_CONSUMER_IDLE: Final = 120.0  # seconds without a pull request before a consumer is removed
 
 
 class StalledRead(ConnectionError):
@@ -108,6 +119,7 @@ class NatsTransport(Transport):
         self._ready: set[str] = set()
         self._last_error = ""
         self._id_key = os.urandom(16)  # makes this publisher's message ids unguessable
+        self._reconnects = 0
         self._connection_lost: asyncio.Future[None] | None = None
         """Resolved when the connection drops: the acks in flight will never come."""
 
@@ -145,6 +157,7 @@ class NatsTransport(Transport):
             log.warning("kvbus: nats disconnected from %s; reconnecting", self._display)
 
     async def _on_reconnected(self) -> None:
+        self._reconnects += 1  # reads send a new pull request: the last may be lost
         log.warning("kvbus: nats reconnected")
 
     async def _stream(self, stream: str) -> str:
@@ -233,9 +246,14 @@ class NatsTransport(Transport):
         digest = hashlib.blake2s(f"{subject} {msg_id}".encode(), key=self._id_key, digest_size=8)
         return f"{msg_id}:{digest.hexdigest()}"
 
-    async def read(
+    def read(
         self, stream: str, after: Position | None = None, *, follow: bool = False
     ) -> AsyncIterator[Entry]:
+        return entries_of(NatsTransport.read_pages(self, stream, after, follow=follow))
+
+    async def read_pages(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Sequence[Entry]]:
         name = await self._stream(stream)
         js = await self._connect()
         state = (await js.stream_info(name)).state
@@ -249,8 +267,8 @@ class NatsTransport(Transport):
             start, skip = split_position(int(after))
         if not follow and end < (start or state.first_seq or 1):
             return
-        async for entry in self._read_ordered(js, name, stream, start, skip, end, follow):
-            yield entry
+        async for page in self._read_pages(js, name, stream, start, skip, end, follow):
+            yield page
 
     async def _snapshot_store(self, stream: str) -> Any:
         js = await self._connect()
@@ -301,7 +319,7 @@ class NatsTransport(Transport):
             return None  # all of the retained history is that recent
         return position(first - 1, _WHOLE_PACK)
 
-    async def _read_ordered(
+    async def _read_pages(
         self,
         js: JetStreamContext,
         name: str,
@@ -310,66 +328,172 @@ class NatsTransport(Transport):
         skip: int,
         end: int,
         follow: bool,
-    ) -> AsyncIterator[Entry]:
-        sub = await js.subscribe(
-            f"kvbus.{stream}.>",
-            stream=name,
-            ordered_consumer=True,
-            idle_heartbeat=min(self.timeout / 2, 2.0),
-            config=api.ConsumerConfig(
-                deliver_policy=api.DeliverPolicy.ALL
-                if start is None
-                else api.DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=start,
-            ),
-            pending_msgs_limit=4096,
-        )
+    ) -> AsyncIterator[list[Entry]]:
+        """The stream's messages from ``start`` in order, through an ephemeral pull
+        consumer: one pull request at a time, so at most one request's messages wait in
+        this client (a push consumer keeps sending to a reader that fell behind until
+        nats-py's pending limit drops messages). Each message's delivery count is
+        checked; a skipped one (lost in a reconnect) recreates the consumer after the
+        last message read, so nothing is skipped silently."""
+        nc = self._nc
+        assert nc is not None
+        wake = asyncio.Event()
+        request_bytes = max(_PULL_BYTES, 2 * nc.max_payload)
+
+        async def open_inbox() -> tuple[Subscription, collections.deque[Msg]]:
+            """A new inbox for each consumer: what a replaced consumer still sends
+            (messages, its "Consumer Deleted" status) goes to its own, unread."""
+            arrived: collections.deque[Msg] = collections.deque()
+
+            async def receive(msg: Msg) -> None:
+                arrived.append(msg)
+                wake.set()
+
+            sub = await nc.subscribe(
+                nc.new_inbox(),
+                cb=receive,
+                pending_msgs_limit=4 * _PULL_BATCH,
+                pending_bytes_limit=8 * request_bytes,
+            )
+            return sub, arrived
+
+        sub, arrived = await open_inbox()
+        consumer: str | None = None
+        delivered = 0  # the consumer's delivery count of the last message taken
+        pulling = False  # a pull request is in flight
+        taken = 0  # messages it brought so far
+        reconnects = self._reconnects
         seen = (start or 1) - 1
         behind = 0  # the stream's last seq when the previous idle check looked
         prefix = f"kvbus.{stream}."
         idle = min(self.timeout, _IDLE_CHECK)
         try:
             while True:
-                try:
-                    msg = await sub.next_msg(timeout=idle)
-                except nats.errors.TimeoutError:
-                    # Quiet for a while: a consumer lost with its server or its
-                    # stream's leader (nats-py notices only after missed heartbeats)
-                    # is restarted when messages stored an idle check ago are still
-                    # not here; while no leader answers, there is nothing to read.
-                    state = await self._probe(js, name)
-                    if state is None:
-                        continue
-                    if not follow and (seen >= end or state.first_seq > end):
-                        return
-                    if behind > seen:
-                        raise StalledRead(f"nats read of {name} stuck after {seen}") from None
-                    behind = state.last_seq
-                    continue
-                sequence = msg.metadata.sequence.stream
-                if start is not None and sequence > seen + 1 and seen == start - 1:
-                    log.warning(
-                        "kvbus: nats %s history lost: asked from %d, oldest retained %d",
-                        name,
-                        start,
-                        sequence,
+                if consumer is None:
+                    if delivered or pulling:  # replacing one
+                        await _quietly(sub.unsubscribe())
+                        sub, arrived = await open_inbox()
+                    consumer = await self._pull_consumer(
+                        js, name, stream, seen + 1 if seen or start is not None else None
                     )
-                # The subject's token is the source its publisher was allowed to send as.
-                sender = unquote(msg.subject[len(prefix) :])
-                for position, data in entries_after(
-                    sequence, msg.data, skip if sequence == start else -1
-                ):
-                    yield Entry(position, data, sender)
-                seen = sequence
+                    delivered, pulling = 0, False
+                if not pulling or reconnects != self._reconnects:
+                    # The request in flight ended, or may have died with a connection.
+                    reconnects = self._reconnects
+                    request = {
+                        "batch": _PULL_BATCH,
+                        "max_bytes": request_bytes,
+                        "expires": int(_PULL_EXPIRES * 1e9),
+                    }
+                    await nc.publish(
+                        f"$JS.API.CONSUMER.MSG.NEXT.{name}.{consumer}",
+                        json.dumps(request).encode(),
+                        reply=sub.subject,
+                    )
+                    pulling, taken = True, 0
+                if not arrived:
+                    wake.clear()
+                    try:
+                        async with asyncio.timeout(idle):
+                            await wake.wait()
+                    except TimeoutError:
+                        # Quiet for a while: a consumer lost with its server or its
+                        # stream's leader is recreated when messages stored an idle
+                        # check ago are still not here; while no leader answers, there
+                        # is nothing to read.
+                        state = await self._probe(js, name)
+                        if state is None:
+                            continue
+                        if not follow and (seen >= end or state.first_seq > end):
+                            return
+                        if behind > seen:
+                            raise StalledRead(f"nats read of {name} stuck after {seen}") from None
+                        behind = state.last_seq
+                    continue
+                page: list[Entry] = []
+                while arrived:
+                    msg = arrived.popleft()
+                    if msg.headers and (status := msg.headers.get("Status")):
+                        if status == "503" or "Deleted" in msg.headers.get("Description", ""):
+                            # Nobody serves the consumer: it died with its server, or
+                            # was removed after a long pause of this reader.
+                            log.info("kvbus: nats consumer of %s gone (%s)", name, status)
+                            consumer = None
+                            break
+                        if status == "409" and taken == 0:
+                            if "MaxBytes" in msg.headers.get("Description", ""):
+                                # The next message is larger than a request may bring.
+                                request_bytes *= 2
+                        pulling = False  # 404, 408, 409: the request ended
+                        continue
+                    metadata = msg.metadata
+                    if metadata.sequence.consumer != delivered + 1:
+                        log.info(
+                            "kvbus: nats read of %s skipped deliveries; resuming after %d",
+                            name,
+                            seen,
+                        )
+                        await _quietly(js.delete_consumer(name, consumer))
+                        consumer = None
+                        break
+                    delivered += 1
+                    taken += 1
+                    pulling = taken < _PULL_BATCH
+                    sequence = metadata.sequence.stream
+                    if start is not None and sequence > seen + 1 and seen == start - 1:
+                        log.warning(
+                            "kvbus: nats %s history lost: asked from %d, oldest retained %d",
+                            name,
+                            start,
+                            sequence,
+                        )
+                    # The subject's token is the source its publisher was allowed to
+                    # send as.
+                    sender = unquote(msg.subject[len(prefix) :])
+                    for position, data in entries_after(
+                        sequence, msg.data, skip if sequence == start else -1
+                    ):
+                        page.append(Entry(position, data, sender))
+                    seen = sequence
+                    if not follow and seen >= end:
+                        break
+                if page:
+                    yield page
                 if not follow and seen >= end:
                     return
         finally:
             await _quietly(sub.unsubscribe())
+            if consumer is not None:
+                await _quietly(js.delete_consumer(name, consumer))
+
+    async def _pull_consumer(
+        self, js: JetStreamContext, name: str, stream: str, start: int | None
+    ) -> str:
+        """A new ephemeral pull consumer of the whole stream from ``start`` (None: the
+        oldest message), held in the server's memory: the reader keeps its position."""
+        consumer = f"kvbus-{os.urandom(8).hex()}"
+        await js.add_consumer(
+            name,
+            config=api.ConsumerConfig(
+                name=consumer,
+                deliver_policy=api.DeliverPolicy.ALL
+                if start is None
+                else api.DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=start,
+                ack_policy=api.AckPolicy.NONE,
+                filter_subject=f"kvbus.{stream}.>",
+                inactive_threshold=_CONSUMER_IDLE,
+                num_replicas=1,
+                mem_storage=True,
+            ),
+        )
+        return consumer
 
     async def aclose(self) -> None:
         if self._nc is not None:
             nc, self._nc, self._js = self._nc, None, None
-            await _quietly(nc.drain())
+            # close(), not drain(): every append already waited for its acks, and a
+            # drain waits for subscriptions' queues that nobody empties any more.
             await _quietly(nc.close())
 
 
