@@ -159,7 +159,8 @@ class PrefixIndex:
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
         self.malformed = 0
-        """Stored events skipped for a block size no engine uses (0, negative, huge)."""
+        """Stored events skipped for a block size no engine uses (0, negative, huge) or
+        a token id outside 32 bits."""
         self.unknown_removals = 0
         """Removed blocks this index never saw stored (joined mid-stream, or skipped)."""
         self.offloaded = False
@@ -219,17 +220,25 @@ class PrefixIndex:
             parent = found
         if event.lookahead_token_ids is not None:
             self.lookahead = max((len(t) for t in event.lookahead_token_ids), default=0)
-        if event.lora_name is None and event.extra_keys is None and not event.lookahead_token_ids:
-            keys = self._plain_keys(event.token_ids, parent)
-        else:
-            keys = block_keys(
-                event.token_ids,
-                self.block_size,
-                event.lora_name,
-                event.extra_keys,
-                parent,
-                event.lookahead_token_ids or 0,
-            )
+        try:
+            if (
+                event.lora_name is None
+                and event.extra_keys is None
+                and not event.lookahead_token_ids
+            ):
+                keys = self._plain_keys(event.token_ids, parent)
+            else:
+                keys = block_keys(
+                    event.token_ids,
+                    self.block_size,
+                    event.lora_name,
+                    event.extra_keys,
+                    parent,
+                    event.lookahead_token_ids or 0,
+                )
+        except OverflowError:  # a token id below 0 or above 32 bits: no vocabulary's
+            self.malformed += 1
+            return
         hashes = event.block_hashes
         if len(keys) > len(hashes):
             keys = keys[: len(hashes)]

@@ -256,6 +256,21 @@ def test_an_event_with_an_impossible_block_size_is_skipped(block_size: int) -> N
     assert index.match(PROMPT[: 2 * B]) == {"a": 2 * B}
 
 
+@pytest.mark.parametrize("bad_token", [-1, 2**32, 2**64 - 1])
+@pytest.mark.parametrize("lora", [None, "adapter"])
+def test_an_event_with_a_token_id_outside_32_bits_is_skipped(
+    bad_token: int, lora: str | None
+) -> None:
+    """Such a token id used to raise out of ``apply`` (the gateway's follow loop caught
+    it, uncounted); now the event is counted malformed and the rest still applies."""
+    index = PrefixIndex()
+    tokens = [*PROMPT[: 2 * B - 1], bad_token]
+    index.apply(message("a", BlockStored([1, 2], None, tokens, B, None, "GPU", lora)))
+    index.apply(message("a", stored([7, 8], PROMPT[: 2 * B])))
+    assert index.malformed == 1
+    assert index.match(PROMPT[: 2 * B]) == {"a": 2 * B}
+
+
 def test_tokenless_offload_events_count_a_copy_of_known_blocks_by_medium() -> None:
     """vLLM's offloading connector names offloaded blocks by engine hash only (no
     tokens, block size 0): each is another copy, in its medium, of a block the worker
