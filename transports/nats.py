@@ -31,8 +31,9 @@ pull consumer (in server memory, no acks) from a stream sequence, one pull reque
 most 1,024 messages and 8 MiB in flight, so a reader that falls behind holds back the
 server instead of overflowing its client; each message's delivery count is checked, and
 a skipped delivery recreates the consumer after the last message read. Reads reconnect
-forever through nats-py's own reconnection; a read that stops making progress while the
-stream grows is restarted from its position. Positions are ``stream_seq << 16 | index``.
+forever through nats-py's own reconnection; the server sends a heartbeat to an idle
+pull request every 0.5 s, and a consumer silent for two of them (gone with its server)
+is replaced as soon as the stream answers. Positions are ``stream_seq << 16 | index``.
 
 Clusters: name several servers (``nats://h1:4222,h2:4222,h3:4222?replicas=3``); nats-py
 connects to one, learns the others from the cluster and moves on when its server dies.
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
 import hashlib
 import json
@@ -76,15 +78,12 @@ DEFAULT_TIMEOUT: Final = 5.0
 _HEADER_ROOM: Final = 512  # room left in max_payload for the headers of one message
 _WHOLE_PACK: Final = 0xFFFF  # an index past any pack's last message
 _PROBE_TIMEOUT: Final = 0.5  # seconds a leaderless stream's info request is waited for
-_IDLE_CHECK: Final = 1.0  # seconds without a message after which a read looks at the stream
+_IDLE_CHECK: Final = 1.0  # seconds between a finite read's looks at the stream's end
+_HEARTBEAT: Final = 0.5  # seconds between the server's heartbeats to an idle pull request
 _PULL_BATCH: Final = 1024  # messages one pull request asks for
 _PULL_BYTES: Final = 8 << 20  # bytes one pull request asks for (at least 2 max_payloads)
 _PULL_EXPIRES: Final = 30.0  # seconds the server holds a pull request that found nothing
 _CONSUMER_IDLE: Final = 120.0  # seconds without a pull request before a consumer is removed
-
-
-class StalledRead(ConnectionError):
-    """The consumer stopped delivering while the stream has newer messages."""
 
 
 def _subject_token(source: str) -> str:
@@ -364,9 +363,11 @@ class NatsTransport(Transport):
         taken = 0  # messages it brought so far
         reconnects = self._reconnects
         seen = (start or 1) - 1
-        behind = 0  # the stream's last seq when the previous idle check looked
         prefix = f"kvbus.{stream}."
-        idle = min(self.timeout, _IDLE_CHECK)
+        loop = asyncio.get_running_loop()
+        heard = loop.time()  # when the consumer last sent anything, heartbeats included
+        checked = heard  # when a read without follow last looked at the stream's end
+        patience = 2 * _HEARTBEAT  # how long to wait for the consumer before looking
         try:
             while True:
                 if consumer is None:
@@ -376,7 +377,7 @@ class NatsTransport(Transport):
                     consumer = await self._pull_consumer(
                         js, name, stream, seen + 1 if seen or start is not None else None
                     )
-                    delivered, pulling = 0, False
+                    delivered, pulling, heard = 0, False, loop.time()
                 if not pulling or reconnects != self._reconnects:
                     # The request in flight ended, or may have died with a connection.
                     reconnects = self._reconnects
@@ -384,6 +385,7 @@ class NatsTransport(Transport):
                         "batch": _PULL_BATCH,
                         "max_bytes": request_bytes,
                         "expires": int(_PULL_EXPIRES * 1e9),
+                        "idle_heartbeat": int(_HEARTBEAT * 1e9),
                     }
                     await nc.publish(
                         f"$JS.API.CONSUMER.MSG.NEXT.{name}.{consumer}",
@@ -393,27 +395,34 @@ class NatsTransport(Transport):
                     pulling, taken = True, 0
                 if not arrived:
                     wake.clear()
-                    try:
-                        async with asyncio.timeout(idle):
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(patience):
                             await wake.wait()
-                    except TimeoutError:
-                        # Quiet for a while: a consumer lost with its server or its
-                        # stream's leader is recreated when messages stored an idle
-                        # check ago are still not here; while no leader answers, there
-                        # is nothing to read.
+                    now = loop.time()
+                    if not arrived and now - heard > 2 * _HEARTBEAT:
+                        # Two heartbeats missed: the consumer died with its server (or
+                        # the stream's leader), or the request with a connection. Read
+                        # on with a new consumer as soon as the stream answers again
+                        # (a cluster electing a leader: asked every ~0.1-0.5 s).
+                        if await self._probe(js, name) is None:
+                            patience = 0.1
+                        else:
+                            log.info("kvbus: nats consumer of %s silent; a new one", name)
+                            consumer, patience = None, 2 * _HEARTBEAT
+                    elif not follow and now - checked > _IDLE_CHECK:
+                        # Messages up to the end may have been deleted meanwhile.
+                        checked = now
                         state = await self._probe(js, name)
-                        if state is None:
-                            continue
-                        if not follow and (seen >= end or state.first_seq > end):
+                        if state is not None and (seen >= end or state.first_seq > end):
                             return
-                        if behind > seen:
-                            raise StalledRead(f"nats read of {name} stuck after {seen}") from None
-                        behind = state.last_seq
                     continue
+                heard = loop.time()
                 page: list[Entry] = []
                 while arrived:
                     msg = arrived.popleft()
                     if msg.headers and (status := msg.headers.get("Status")):
+                        if status == "100":
+                            continue  # a heartbeat: the consumer and the request live
                         if status == "503" or "Deleted" in msg.headers.get("Description", ""):
                             # Nobody serves the consumer: it died with its server, or
                             # was removed after a long pause of this reader.
