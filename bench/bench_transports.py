@@ -73,10 +73,12 @@ async def kvbus_publish(url: str, stream: str, payloads: list[bytes]) -> float:
     return rate
 
 
-async def kvbus_replay(url: str, stream: str, expected: int) -> float:
+async def kvbus_replay(url: str, stream: str, expected: int, transport_class: Any = None) -> float:
+    """``transport_class``: another class for the URL's backend (an older revision's)."""
     start = time.perf_counter()
     count = 0
-    async with kvbus.subscribe(stream, url, follow=False) as sub:
+    transport = transport_class(url) if transport_class else None
+    async with kvbus.subscribe(stream, url, follow=False, transport=transport) as sub:
         async for item in sub:
             if isinstance(item, kvbus.Message) and item.kind is kvbus.Kind.KV:
                 count += 1
@@ -84,15 +86,12 @@ async def kvbus_replay(url: str, stream: str, expected: int) -> float:
     return count / (time.perf_counter() - start)
 
 
-async def transport_replay(
-    url: str, stream: str, expected: int, transport_class: Any = None
-) -> float:
+async def transport_replay(url: str, stream: str, expected: int) -> float:
     """Envelopes/s out of the transport's own ``read()`` (before the subscriber decodes
-    and orders them): what the backend and kvbus's packing deliver. ``transport_class``:
-    another class for the URL's backend (an older revision's)."""
+    and orders them): what the backend and kvbus's packing deliver."""
     from kvbus.transports import open_transport
 
-    transport = transport_class(url) if transport_class else open_transport(url)
+    transport = open_transport(url)
     start = time.perf_counter()
     count = sum([1 async for _ in transport.read(stream)])
     rate = count / (time.perf_counter() - start)
@@ -252,6 +251,30 @@ def repeat(rows: dict[str, list[float]], name: str, run: Callable[[], Any]) -> N
     rows.setdefault(name, []).append(run())
 
 
+def nats_replays(
+    rows: dict[str, list[float]],
+    url: str,
+    stream: str,
+    n: int,
+    revision: str = "",
+    transport_class: Any = None,
+) -> None:
+    """The subscriber's and the transport's replay rows; for an older revision's
+    transport only the subscriber's (which restarts a read that stalls)."""
+    at = f" @{revision}" if revision else ""
+    repeat(
+        rows,
+        f"kvbus subscribe(follow=False) over nats://{at}",
+        lambda: asyncio.run(kvbus_replay(url, stream, n, transport_class)),
+    )
+    if transport_class is None:
+        repeat(
+            rows,
+            "kvbus NatsTransport.read() (envelopes, not decoded)",
+            lambda: asyncio.run(transport_replay(url, stream, n)),
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, default=20_000)
@@ -313,16 +336,7 @@ def main() -> None:
                 "raw nats-py ordered consumer + decode (baseline)",
                 lambda: asyncio.run(nats_raw_replay(url, payloads)),
             )
-            repeat(
-                replay_rows,
-                "kvbus subscribe(follow=False) over nats://",
-                lambda stream=stream: asyncio.run(kvbus_replay(url, stream, n)),
-            )
-            repeat(
-                replay_rows,
-                "kvbus NatsTransport.read() (envelopes, not decoded)",
-                lambda stream=stream: asyncio.run(transport_replay(url, stream, n)),
-            )
+            nats_replays(replay_rows, url, stream, n)
         single_rows: dict[str, list[float]] = {
             "raw nats-py ordered consumer + decode (baseline)": replay_rows[
                 "raw nats-py ordered consumer + decode (baseline)"
@@ -331,24 +345,9 @@ def main() -> None:
         for r in range(args.repeats):
             stream = f"single{r}"
             asyncio.run(store_one_per_message(url, stream, payloads))
-            repeat(
-                single_rows,
-                "kvbus subscribe(follow=False) over nats://",
-                lambda stream=stream: asyncio.run(kvbus_replay(url, stream, n)),
-            )
-            repeat(
-                single_rows,
-                "kvbus NatsTransport.read() (envelopes, not decoded)",
-                lambda stream=stream: asyncio.run(transport_replay(url, stream, n)),
-            )
+            nats_replays(single_rows, url, stream, n)
             for revision, older in older_nats.items():
-                repeat(
-                    single_rows,
-                    f"kvbus NatsTransport.read() @{revision}",
-                    lambda stream=stream, older=older: asyncio.run(
-                        transport_replay(url, stream, n, older)
-                    ),
-                )
+                nats_replays(single_rows, url, stream, n, revision, older)
         nats_server.stop()
     table(
         f"nats publish ({args.raw_batches} batches raw, {n} kvbus)", pub_rows, next(iter(pub_rows))
