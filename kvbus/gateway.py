@@ -49,7 +49,6 @@ import logging
 import os
 import re
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -66,11 +65,6 @@ from kvbus.router import CostWeights, Decision, Policy, Router
 from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
 from kvbus.transports import open_transport
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _deadline
-else:  # aiohttp's own dependency before 3.11
-    from async_timeout import timeout as _deadline
 
 log = logging.getLogger("kvbus.router")
 _RANK: Final = re.compile(r"/dp(\d+)$")
@@ -464,7 +458,7 @@ class RouterApp:
 
     async def _generate(self, request: web.Request, tokenize: Tokenize) -> web.StreamResponse:
         try:
-            async with _deadline(self.body_timeout):  # no task of its own, unlike wait_for
+            async with asyncio.timeout(self.body_timeout):  # no task of its own, unlike wait_for
                 raw = await request.read()
         except TimeoutError:
             return error_body("The request body did not arrive in time.", "RequestTimeout", 408)
@@ -536,7 +530,7 @@ class RouterApp:
         labels = (decision.worker, decision.policy.value)
         sent = time.perf_counter()
         try:
-            async with _deadline(self.worker_timeout):
+            async with asyncio.timeout(self.worker_timeout):
                 upstream = await self.session.post(base + request.path, data=raw, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as error:
             # Refused, dropped, silent or not HTTP, before anything reached the client.

@@ -423,8 +423,11 @@ class Subscription:
                     if deadline is None:
                         await self._inbox_filled.wait()
                     else:
+                        # asyncio.timeout, not wait_for: in 3.11 a wait_for timing out
+                        # as its task is cancelled can swallow the cancellation.
                         timeout = max(0.0, deadline - time.monotonic())
-                        await asyncio.wait_for(self._inbox_filled.wait(), timeout)
+                        async with asyncio.timeout(timeout):
+                            await self._inbox_filled.wait()
                 except TimeoutError:
                     pass  # the deadline check above expires the gap
                 continue

@@ -126,7 +126,8 @@ class NatsTransport(Transport):
         if self._js is None:
             # nats-py retries a first connect for ever (max_reconnect_attempts=-1):
             # bound it, so the caller counts a failure and retries.
-            self._nc = await asyncio.wait_for(self._open(), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                self._nc = await self._open()
             self._js = self._nc.jetstream(timeout=self.timeout)
         return self._js
 
@@ -231,7 +232,8 @@ class NatsTransport(Transport):
         """The stream's state, or None when no leader answers now (a cluster electing
         one): after a short wait, not the whole timeout."""
         try:
-            return (await asyncio.wait_for(js.stream_info(name), _PROBE_TIMEOUT)).state
+            async with asyncio.timeout(_PROBE_TIMEOUT):
+                return (await js.stream_info(name)).state
         except (
             TimeoutError,
             nats.errors.NoRespondersError,
@@ -508,6 +510,7 @@ class NatsTransport(Transport):
 
 async def _quietly(call: Any) -> None:
     try:
-        await asyncio.wait_for(call, 2)
+        async with asyncio.timeout(2):
+            await call
     except Exception as error:
         log.debug("kvbus: nats cleanup: %r", error)

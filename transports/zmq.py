@@ -453,7 +453,8 @@ class _Reader:
         try:
             await dealer.send_multipart([request, self.stream.encode(), _SNAPSHOTS])
             while True:
-                reply = await asyncio.wait_for(dealer.recv_multipart(), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    reply = await dealer.recv_multipart()
                 if len(reply) != 5 or reply[0] != request:
                     continue
                 if reply[1] == _END:
@@ -530,7 +531,8 @@ class _Reader:
             await dealer.send_multipart([request, stream, after])
             while True:
                 try:
-                    reply = await asyncio.wait_for(dealer.recv_multipart(), self.timeout)
+                    async with asyncio.timeout(self.timeout):
+                        reply = await dealer.recv_multipart()
                 except TimeoutError:
                     break
                 if len(reply) != 5:
