@@ -200,14 +200,11 @@ async def read_until(
 ) -> list[Item]:
     """Items of a following subscription until ``done(items)``."""
     items: list[Item] = []
-
-    async def run() -> None:
+    async with asyncio.timeout(timeout):  # not wait_for: see the subscriber's inbox wait
         async for item in sub:
             items.append(item)
             if done(items):
-                return
-
-    await asyncio.wait_for(run(), timeout)
+                break
     return items
 
 
