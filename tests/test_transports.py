@@ -289,18 +289,16 @@ async def test_a_reader_far_behind_many_small_messages_loses_none(
     sub = kvbus.subscribe(stream, server.url)
     items: list[Item] = []
 
-    async def slowly() -> None:
-        delivered = 0
-        async for item in sub:
-            items.append(item)
-            delivered += isinstance(item, Message)
-            if delivered == sources * per_source:
-                return
-            if delivered % 500 == 0:
-                await asyncio.sleep(0.2)  # the server keeps storing; this reader lags
-
+    delivered = 0
     try:
-        await asyncio.wait_for(slowly(), 120)
+        async with asyncio.timeout(120):
+            async for item in sub:
+                items.append(item)
+                delivered += isinstance(item, Message)
+                if delivered == sources * per_source:
+                    break
+                if delivered % 500 == 0:
+                    await asyncio.sleep(0.2)  # the server keeps storing; this reader lags
     finally:
         await sub.aclose()
     assert not [i for i in items if isinstance(i, Resync)]

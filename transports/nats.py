@@ -340,6 +340,7 @@ class NatsTransport(Transport):
         assert nc is not None
         wake = asyncio.Event()
         request_bytes = max(_PULL_BYTES, 2 * nc.max_payload)
+        request = _pull_request(request_bytes)
 
         async def open_inbox() -> tuple[Subscription, collections.deque[Msg]]:
             """A new inbox for each consumer: what a replaced consumer still sends
@@ -383,15 +384,9 @@ class NatsTransport(Transport):
                 if not pulling or reconnects != self._reconnects:
                     # The request in flight ended, or may have died with a connection.
                     reconnects = self._reconnects
-                    request = {
-                        "batch": _PULL_BATCH,
-                        "max_bytes": request_bytes,
-                        "expires": int(_PULL_EXPIRES * 1e9),
-                        "idle_heartbeat": int(_HEARTBEAT * 1e9),
-                    }
                     await nc.publish(
                         f"$JS.API.CONSUMER.MSG.NEXT.{name}.{consumer}",
-                        json.dumps(request).encode(),
+                        request,
                         reply=sub.subject,
                     )
                     pulling, taken = True, 0
@@ -435,6 +430,7 @@ class NatsTransport(Transport):
                             if "MaxBytes" in msg.headers.get("Description", ""):
                                 # The next message is larger than a request may bring.
                                 request_bytes *= 2
+                                request = _pull_request(request_bytes)
                         pulling = False  # 404, 408, 409: the request ended
                         continue
                     metadata = msg.metadata
@@ -506,6 +502,19 @@ class NatsTransport(Transport):
             # close(), not drain(): every append already waited for its acks, and a
             # drain waits for subscriptions' queues that nobody empties any more.
             await _quietly(nc.close())
+
+
+def _pull_request(max_bytes: int) -> bytes:
+    """A pull request's body: up to a batch of messages or ``max_bytes``, held by the
+    server while nothing is stored, with heartbeats meanwhile."""
+    return json.dumps(
+        {
+            "batch": _PULL_BATCH,
+            "max_bytes": max_bytes,
+            "expires": int(_PULL_EXPIRES * 1e9),
+            "idle_heartbeat": int(_HEARTBEAT * 1e9),
+        }
+    ).encode()
 
 
 async def _quietly(call: Any) -> None:
