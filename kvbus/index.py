@@ -218,8 +218,6 @@ class PrefixIndex:
                 self.unchained += len(event.block_hashes)
                 return
             parent = found
-        if event.lookahead_token_ids is not None:
-            self.lookahead = max((len(t) for t in event.lookahead_token_ids), default=0)
         try:
             if (
                 event.lora_name is None
@@ -239,6 +237,10 @@ class PrefixIndex:
         except OverflowError:  # a token id below 0 or above 32 bits: no vocabulary's
             self.malformed += 1
             return
+        if event.lookahead_token_ids is not None:
+            # Learned only from an event that applied: a skipped one must not change
+            # how every later prompt is keyed.
+            self.lookahead = max((len(t) for t in event.lookahead_token_ids), default=0)
         hashes = event.block_hashes
         if len(keys) > len(hashes):
             keys = keys[: len(hashes)]

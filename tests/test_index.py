@@ -271,6 +271,19 @@ def test_an_event_with_a_token_id_outside_32_bits_is_skipped(
     assert index.match(PROMPT[: 2 * B]) == {"a": 2 * B}
 
 
+def test_a_skipped_event_does_not_change_the_lookahead() -> None:
+    """The lookahead is learned from the events; one skipped as malformed (here for a
+    token id past 32 bits) used to set it anyway, and every later prompt was keyed
+    with lookahead tokens that no engine hashes: no match anywhere."""
+    index = PrefixIndex(B)
+    index.apply(message("a", stored([7, 8], PROMPT[: 2 * B])))
+    forged = stored([1, 2], [*PROMPT[: 2 * B - 1], 2**32])
+    forged.lookahead_token_ids = [PROMPT[:3], PROMPT[:3]]
+    index.apply(message("b", forged))
+    assert index.malformed == 1 and index.lookahead == 0
+    assert index.match(PROMPT[: 2 * B]) == {"a": 2 * B}
+
+
 def test_tokenless_offload_events_count_a_copy_of_known_blocks_by_medium() -> None:
     """vLLM's offloading connector names offloaded blocks by engine hash only (no
     tokens, block size 0): each is another copy, in its medium, of a block the worker
