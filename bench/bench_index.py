@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_index_peers import add_workload_arguments
 from kvbus import BlockStored, Kind, LoadMetrics, Message
 from kvbus.index import block_keys
 from kvbus.router import CostWeights, Router
@@ -91,14 +92,6 @@ def events_for(prompt: list[int], prompt_id: int) -> list[BlockStored]:
         events.append(BlockStored(hashes, parent, tokens, BLOCK, None, "GPU", None))
         parent = int(hashes[-1])  # type: ignore[arg-type]
     return events
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """The workload's size (bench_index_peers.py runs the same one)."""
-    parser.add_argument("--workers", type=int, default=1000)
-    parser.add_argument("--per-worker", type=int, default=16, help="4k prompts cached each")
-    parser.add_argument("--prompts", type=int, default=2000, help="distinct 4k prompts")
-    parser.add_argument("--queries", type=int, default=2000)
 
 
 def main() -> None:

@@ -8,13 +8,18 @@ chained by engine hashes; then each worker evicts a quarter of its prompts as 16
 * kvbus: `PrefixIndex.apply_events` on the events as the subscriber hands them over
   (decoded structs; the index hashes the tokens into its chained keys), `match` of the
   prompt's tokens (hashing included).
+* kvbus, keys hashed before: the same, with each event's keys computed before the clock
+  starts (Dynamo's conditions: its publisher sends each block's token hash), so its
+  store rate is what the index's dict work alone costs.
 * Dynamo (ai-dynamo-runtime, `scripts/install.sh peers`): ``RadixTree.apply_event`` on the
   same events in its JSON form, encoded before the clock starts (its local block hashes,
   XXH3 of each block's tokens, computed then too); ``find_matches`` of the prompt's local
   hashes, timed with ``compute_block_hash_for_seq`` (as kvbus's match hashes) and alone
   (*lookup*; kvbus's: `match_keys` of keys hashed before).
   It runs in a subprocess with .venv-peers' python, which pins Dynamo's own deps; when
-  Dynamo is missing, the kvbus rows print and the peer row says so.
+  Dynamo is missing, the kvbus rows print and the peer row says so. That process is
+  pinned to one core (``--dynamo-any-core``: not): RadixTree serves every call from a
+  thread of its own, and a wake-up across cores makes each call ~10x slower here.
 
 Memory: RSS growth while storing, per stored (worker, block), in the first run (later
 ones reuse the memory it freed). Medians over --repeats (a fresh index each), range in
@@ -81,6 +86,15 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[Step], lis
             ]
     queries = [rng.randrange(args.prompts) for _ in range(args.queries)]
     return pool, stores, removals, queries
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload's size (bench_index.py runs the same one; here, as the
+    Dynamo child imports it without kvbus)."""
+    parser.add_argument("--workers", type=int, default=1000)
+    parser.add_argument("--per-worker", type=int, default=16, help="4k prompts cached each")
+    parser.add_argument("--prompts", type=int, default=2000, help="distinct 4k prompts")
+    parser.add_argument("--queries", type=int, default=2000)
 
 
 def engine_hash(prompt: int, block: int) -> int:
@@ -159,6 +173,11 @@ def _span(values: Iterator[float]) -> tuple[float, float]:
 
 
 def dynamo_child(args: argparse.Namespace) -> None:
+    # Each RadixTree runs its tree in a thread of its own, and every call is a round trip
+    # to it: on this VM a wake-up across cores costs tens of µs, 10x the apply itself
+    # (~0.23M blocks/s against ~2.5M). One core for both threads: its best case.
+    if not args.dynamo_any_core:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     from dynamo._core import RadixTree, compute_block_hash_for_seq  # type: ignore[import-not-found]
 
     pool, stores, removals, queries = workload(args)
@@ -255,7 +274,10 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
         for s in removals
     ]
     keys = {p: block_keys(pool[p], BLOCK) for p in set(queries)}
-    builds = {"kvbus PrefixIndex": PrefixIndex}
+    builds = {
+        "kvbus PrefixIndex": PrefixIndex,
+        "kvbus, keys hashed before": keys_hashed_before(PrefixIndex, stored),
+    }
     for revision in args.against:
         builds[f"kvbus PrefixIndex @{revision}"] = index_at(revision)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
@@ -277,6 +299,35 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     return runs
 
 
+def keys_hashed_before(index_class: Any, stored: list[tuple[Step, Any]]) -> Any:
+    """A build of ``index_class`` with each event's keys hashed before the clock starts,
+    as Dynamo's are (its publisher sends each block's token hash): what the index's dict
+    work alone costs. The keys are the very ones the index computes (recorded in a pass
+    at the first build, in this process: the same hash key; after the plain index's
+    first run, whose memory growth is the one reported), shared between workers as it
+    shares them."""
+    recorded: dict[tuple[int, int], list[int]] = {}
+
+    class Recording(index_class):  # type: ignore[misc,valid-type]
+        def _plain_keys(self, token_ids: list[int], parent: int) -> list[int]:
+            keys: list[int] = super()._plain_keys(token_ids, parent)
+            recorded[id(token_ids), parent] = keys
+            return keys
+
+    class KeysGiven(index_class):  # type: ignore[misc,valid-type]
+        def _plain_keys(self, token_ids: list[int], parent: int) -> list[int]:
+            return recorded[id(token_ids), parent]
+
+    def build(block_size: int) -> Any:
+        if not recorded:
+            recording = Recording(block_size)
+            for _, (worker, events) in stored:
+                recording.apply_events(worker, events)
+        return KeysGiven(block_size)
+
+    return build
+
+
 def index_at(revision: str) -> Any:
     """``PrefixIndex`` as kvbus/index.py was at git ``revision`` (the rest of kvbus as now)."""
     from bench_core import module_at  # this script's directory
@@ -285,8 +336,6 @@ def index_at(revision: str) -> Any:
 
 
 def main() -> None:
-    from bench_index import add_workload_arguments  # this script's directory
-
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)
     parser.add_argument("--repeats", type=int, default=5)
@@ -296,6 +345,11 @@ def main() -> None:
         default=[],
         metavar="REV",
         help="also kvbus/index.py as of these git revisions (before/after)",
+    )
+    parser.add_argument(
+        "--dynamo-any-core",
+        action="store_true",
+        help="let Dynamo's tree thread run on another core than its caller (not pinned)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -342,6 +396,11 @@ def main() -> None:
                 for c in ("store", "remove", "match p50", "match p99", "bytes")
             )
             + " (rates: higher is better; latencies, bytes: lower is better)"
+        )
+        given = dict(rows)["kvbus, keys hashed before"]
+        print(
+            "kvbus with keys hashed before / Dynamo: "
+            + ", ".join(f"{c} {given[c][0] / theirs[c][0]:.2f}x" for c in ("store", "remove"))
         )
 
 
