@@ -264,10 +264,19 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+# "/0" .. "/511": a publisher's pack holds at most 512 envelopes by default, and joining
+# an entry id to one of these costs a third of formatting the index (~65 ns an envelope).
+_SUFFIXES: Final = [f"/{i}" for i in range(512)]
+
+
 def _entries(batch: list[Any], skip: int = -1) -> list[Entry]:
     out: list[Entry] = []
+    first = max(0, skip + 1)  # a position's index is the caller's: any int
     for entry_id, fields in batch:
-        name = entry_id.decode()
         envelopes = unpack(fields.get(_FIELD, b""))
-        out += [Entry(f"{name}/{i}", data) for i, data in enumerate(envelopes) if i > skip]
+        suffixes = _SUFFIXES
+        if len(envelopes) > len(suffixes):
+            suffixes = [f"/{i}" for i in range(len(envelopes))]
+        positions = map(entry_id.decode().__add__, suffixes[first : len(envelopes)])
+        out += map(Entry, positions, envelopes[first:])
     return out
