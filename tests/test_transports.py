@@ -10,7 +10,7 @@ from pathlib import Path
 import nats
 import pytest
 from kvbus.transports import Record, open_transport
-from kvbus.transports.nats import NatsTransport
+from kvbus.transports.nats import NatsTransport, _sequences
 from kvbus.transports.zmq import ZmqTransport
 
 import kvbus
@@ -305,6 +305,25 @@ async def test_a_reader_far_behind_many_small_messages_loses_none(
     for s in range(sources):
         assert seqs(items, f"engine-{s}") == list(range(1, per_source + 1))
     assert sub.stats.transport_errors == 0
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "$JS.ACK.kvbus_kv.c1.1.4711.42.1732350000000000000.9",
+        "$JS.ACK.hub.ACCHASH.kvbus_kv.c1.1.4711.42.1732350000000000000.9",
+        "$JS.ACK.hub.ACCHASH.kvbus_kv.c1.1.4711.42.1732350000000000000.9.rAnd0m",
+    ],
+)
+def test_nats_sequences_from_either_reply_subject_form(reply: str) -> None:
+    """The read takes a delivery's sequences from its reply subject itself (nats-py's
+    metadata is the slow way): the plain form and the one with a JetStream domain and
+    account hash agree with nats-py's, and anything else still raises nats-py's error."""
+    msg = nats.aio.msg.Msg(None, reply=reply)  # type: ignore[arg-type]
+    expected = (msg.metadata.sequence.stream, msg.metadata.sequence.consumer)
+    assert _sequences(nats.aio.msg.Msg(None, reply=reply)) == expected == (4711, 42)  # type: ignore[arg-type]
+    with pytest.raises(nats.errors.NotJSMessageError):
+        _sequences(nats.aio.msg.Msg(None, reply="_INBOX.abc.1"))  # type: ignore[arg-type]
 
 
 async def test_nats_read_recovers_a_delivery_lost_on_the_way(

@@ -433,8 +433,8 @@ class NatsTransport(Transport):
                                 request = _pull_request(request_bytes)
                         pulling = False  # 404, 408, 409: the request ended
                         continue
-                    metadata = msg.metadata
-                    if metadata.sequence.consumer != delivered + 1:
+                    sequence, consumer_sequence = _sequences(msg)
+                    if consumer_sequence != delivered + 1:
                         log.info(
                             "kvbus: nats read of %s skipped deliveries; resuming after %d",
                             name,
@@ -446,7 +446,6 @@ class NatsTransport(Transport):
                     delivered += 1
                     taken += 1
                     pulling = taken < _PULL_BATCH
-                    sequence = metadata.sequence.stream
                     if start is not None and sequence > seen + 1 and seen == start - 1:
                         log.warning(
                             "kvbus: nats %s history lost: asked from %d, oldest retained %d",
@@ -515,6 +514,22 @@ def _pull_request(max_bytes: int) -> bytes:
             "idle_heartbeat": int(_HEARTBEAT * 1e9),
         }
     ).encode()
+
+
+def _sequences(msg: Msg) -> tuple[int, int]:
+    """A JetStream delivery's (stream sequence, consumer sequence), read from its reply
+    subject: ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>...``
+    (9 tokens), or with a domain and an account hash after ``ACK`` (11 or more). nats-py's
+    ``msg.metadata`` builds a datetime and three dataclasses: 2.7 µs against 0.4, a
+    fifth of a message's read. Any other subject takes nats-py's way (and its error)."""
+    tokens = (msg.reply or "").split(".")
+    if tokens[:2] == ["$JS", "ACK"]:
+        if len(tokens) == 9:
+            return int(tokens[5]), int(tokens[6])
+        if len(tokens) >= 11:
+            return int(tokens[7]), int(tokens[8])
+    metadata = msg.metadata
+    return metadata.sequence.stream, metadata.sequence.consumer
 
 
 async def _quietly(call: Any) -> None:
