@@ -175,7 +175,7 @@ def _span(values: Iterator[float]) -> tuple[float, float]:
 def dynamo_child(args: argparse.Namespace) -> None:
     # Each RadixTree runs its tree in a thread of its own, and every call is a round trip
     # to it: on this VM a wake-up across cores costs tens of µs, 10x the apply itself
-    # (~0.23M blocks/s against ~2.5M). One core for both threads: its best case.
+    # (~0.26M blocks/s against ~3.0M). One core for both threads: its best case.
     if not args.dynamo_any_core:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     from dynamo._core import RadixTree, compute_block_hash_for_seq  # type: ignore[import-not-found]

@@ -29,6 +29,7 @@ from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
 from kvbus.retry import retry_forever
 from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
+from kvbus.transports.packing import DEFAULT_RECORDS
 
 log = logging.getLogger("kvbus.publisher")
 
@@ -82,7 +83,7 @@ class Publisher:
         source: str | None = None,
         max_queue: int = 10_000,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
-        max_batch: int = 512,
+        max_batch: int = DEFAULT_RECORDS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         data_parallel_rank: int | None = None,
         transport: Transport | None = None,

@@ -25,6 +25,9 @@ from kvbus.transports import Record, RecordTooLarge
 
 MAX_RECORDS: Final = 1 << 16
 """Most envelopes in one pack (the index must fit the low 16 bits of a position)."""
+DEFAULT_RECORDS: Final = 512
+"""Envelopes a `kvbus.Publisher` hands one append by default (its ``max_batch``): the
+most a pack usually holds."""
 _OVERHEAD: Final = 5  # msgpack bin header per envelope, worst case
 _ARRAY_HEADER: Final = 5
 

@@ -43,7 +43,7 @@ from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as redis
 from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
-from kvbus.transports.packing import make_packs, unpack
+from kvbus.transports.packing import DEFAULT_RECORDS, make_packs, unpack
 
 log = logging.getLogger("kvbus.transports.redis")
 
@@ -264,9 +264,9 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-# "/0" .. "/511": a publisher's pack holds at most 512 envelopes by default, and joining
-# an entry id to one of these costs a third of formatting the index (~65 ns an envelope).
-_SUFFIXES: Final = [f"/{i}" for i in range(512)]
+# "/0", "/1", ...: as many as a publisher's pack holds by default; joining an entry id to
+# one of these costs a third of formatting the index (~65 ns an envelope).
+_SUFFIXES: Final = [f"/{i}" for i in range(DEFAULT_RECORDS)]
 
 
 def _entries(batch: list[Any], skip: int = -1) -> list[Entry]:
