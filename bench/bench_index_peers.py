@@ -8,6 +8,12 @@ chained by engine hashes; then each worker evicts a quarter of its prompts as 16
 * kvbus: `PrefixIndex.apply_events` on the events as the subscriber hands them over
   (decoded structs; the index hashes the tokens into its chained keys), `match` of the
   prompt's tokens (hashing included).
+* kvbus, decoded just before: the same events from their msgpack bytes, each decoded
+  just before its apply, off the clock: in cache, as in a router, whose subscriber hands
+  each batch over right after decoding it (above, all events are decoded first, and
+  most are out of cache when applied).
+* kvbus, Python kernels: the first row with the index's per-block loops in Python
+  (``kvbus/_kernels.py``, the fallback where the C ones did not build).
 * kvbus, keys hashed before: the same, with each event's keys computed before the clock
   starts (Dynamo's conditions: its publisher sends each block's token hash), so its
   store rate is what the index's dict work alone costs.
@@ -15,7 +21,9 @@ chained by engine hashes; then each worker evicts a quarter of its prompts as 16
   same events in its JSON form, encoded before the clock starts (its local block hashes,
   XXH3 of each block's tokens, computed then too); ``find_matches`` of the prompt's local
   hashes, timed with ``compute_block_hash_for_seq`` (as kvbus's match hashes) and alone
-  (*lookup*; kvbus's: `match_keys` of keys hashed before).
+  (*lookup*; kvbus's: `match_keys` of keys hashed before). *Dynamo, bytes read just
+  before*: each event's bytes read through just before its apply (in cache, as kvbus's
+  decoded ones).
   It runs in a subprocess with .venv-peers' python, which pins Dynamo's own deps; when
   Dynamo is missing, the kvbus rows print and the peer row says so. That process is
   pinned to one core (``--dynamo-any-core``: not): RadixTree serves every call from a
@@ -114,17 +122,33 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def timed(apply: Callable[[Any], None], items: list[Any], blocks: int) -> tuple[float, int]:
-    """(blocks/s, RSS growth in bytes) of applying ``items`` one by one."""
+def timed(
+    apply: Callable[[Any], None],
+    items: list[Any],
+    blocks: int,
+    prepare: Callable[[Any], Any] | None = None,
+) -> tuple[float, int]:
+    """(blocks/s, RSS growth in bytes) of applying ``items`` one by one; with
+    ``prepare``, each item goes through it just before its apply, off the clock."""
     # The harness's own events stay out of the collector's scans (as a router's
     # decoded events do: they are gone once applied).
     gc.collect()
     gc.freeze()
     before = rss_bytes()
-    start = time.perf_counter()
-    for item in items:
-        apply(item)
-    return blocks / (time.perf_counter() - start), rss_bytes() - before
+    clock = time.perf_counter
+    if prepare is None:
+        start = clock()
+        for item in items:
+            apply(item)
+        elapsed = clock() - start
+    else:
+        elapsed = 0.0
+        for item in items:
+            ready = prepare(item)
+            start = clock()
+            apply(ready)
+            elapsed += clock() - start
+    return blocks / elapsed, rss_bytes() - before
 
 
 def latencies(query: Callable[[int], object], prompts: list[int]) -> list[float]:
@@ -143,12 +167,17 @@ def one_run(
     removals: list[tuple[Step, Any]],
     queries: dict[str, Callable[[Any, int], object]],
     prompts: list[int],
+    prepare: Callable[[Any], Any] | None = None,
 ) -> dict[str, float]:
     index = build()
     stored = blocks([step for step, _ in stores])
-    store_rate, grown = timed(lambda item: apply(index, item), [e for _, e in stores], stored)
+    store_rate, grown = timed(
+        lambda item: apply(index, item), [e for _, e in stores], stored, prepare
+    )
     removed = blocks([step for step, _ in removals])
-    remove_rate, _ = timed(lambda item: apply(index, item), [e for _, e in removals], removed)
+    remove_rate, _ = timed(
+        lambda item: apply(index, item), [e for _, e in removals], removed, prepare
+    )
     result = {"store": store_rate, "remove": remove_rate, "bytes": grown / stored}
     for name, query in queries.items():
         found = latencies(lambda p: query(index, p), prompts)  # noqa: B023
@@ -213,26 +242,34 @@ def dynamo_child(args: argparse.Namespace) -> None:
         )
         for worker, prompt, first, end in removals
     ]
-    runs = [
-        one_run(
-            RadixTree,
-            lambda tree, item: tree.apply_event(*item),
-            stored,
-            removed,
-            {
-                "match": lambda tree, p: (
-                    tree.find_matches(compute_block_hash_for_seq(pool[p], BLOCK)).scores
-                ),
-                "lookup": lambda tree, p: tree.find_matches(local[p]).scores,
-            },
-            queries,
-        )
-        for _ in range(args.repeats)
-    ]
+
+    def read(item: tuple[int, bytes]) -> tuple[int, bytes]:
+        item[1].count(b"{")  # every byte read: in cache, as if just received
+        return item
+
+    runs: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+    for _ in range(args.repeats):
+        for mode, prepare in (("cold", None), ("warm", read)):
+            runs[mode].append(
+                one_run(
+                    RadixTree,
+                    lambda tree, item: tree.apply_event(*item),
+                    stored,
+                    removed,
+                    {
+                        "match": lambda tree, p: (
+                            tree.find_matches(compute_block_hash_for_seq(pool[p], BLOCK)).scores
+                        ),
+                        "lookup": lambda tree, p: tree.find_matches(local[p]).scores,
+                    },
+                    queries,
+                    prepare,
+                )
+            )
     print(json.dumps(runs))
 
 
-def run_dynamo(args: argparse.Namespace) -> list[dict[str, float]] | str:
+def run_dynamo(args: argparse.Namespace) -> dict[str, list[dict[str, float]]] | str:
     """Dynamo's runs, or why there are none."""
     if not PEERS_PYTHON.exists():
         return f"missing: no {PEERS_PYTHON} (bash scripts/install.sh peers)"
@@ -247,7 +284,7 @@ def run_dynamo(args: argparse.Namespace) -> list[dict[str, float]] | str:
     )
     if child.returncode:
         return f"failed: {child.stderr.strip().splitlines()[-1:]}"
-    runs: list[dict[str, float]] = json.loads(child.stdout)
+    runs: dict[str, list[dict[str, float]]] = json.loads(child.stdout)
     return runs
 
 
@@ -256,7 +293,10 @@ def run_dynamo(args: argparse.Namespace) -> list[dict[str, float]] | str:
 
 def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     sys.path.insert(0, str(REPO))
-    from kvbus import BlockRemoved, BlockStored
+    import msgspec
+
+    import kvbus.index as index_module
+    from kvbus import BlockRemoved, BlockStored, _kernels
     from kvbus.index import PrefixIndex, block_keys
 
     pool, stores, removals, queries = workload(args)
@@ -274,28 +314,49 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
         for s in removals
     ]
     keys = {p: block_keys(pool[p], BLOCK) for p in set(queries)}
-    builds = {
-        "kvbus PrefixIndex": PrefixIndex,
-        "kvbus, keys hashed before": keys_hashed_before(PrefixIndex, stored),
+    # The same events as their wire bytes, each decoded off the clock just before its
+    # apply: in cache, as the subscriber hands a batch over right after decoding it.
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(list[BlockStored | BlockRemoved]).decode
+    wire = {
+        "stored": [(s, (worker, encode(events))) for s, (worker, events) in stored],
+        "removed": [(s, (worker, encode(events))) for s, (worker, events) in removed],
     }
+
+    def decoded(item: tuple[str, bytes]) -> tuple[str, list[Any]]:
+        return item[0], decode(item[1])
+
+    # name: (build, events off the wire, the Python kernels)
+    builds: dict[str, tuple[Any, bool, bool]] = {
+        "kvbus PrefixIndex": (PrefixIndex, False, False),
+        "kvbus, decoded just before": (PrefixIndex, True, False),
+        "kvbus, keys hashed before": (keys_hashed_before(PrefixIndex, stored), False, False),
+    }
+    if index_module.kernels is not _kernels:
+        builds["kvbus, Python kernels"] = (PrefixIndex, False, True)
     for revision in args.against:
-        builds[f"kvbus PrefixIndex @{revision}"] = index_at(revision)
+        builds[f"kvbus PrefixIndex @{revision}"] = (index_at(revision), False, False)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
+    compiled = index_module.kernels
     for _ in range(args.repeats):  # the revisions take turns: the same noise for each
-        for name, build in builds.items():
+        for name, (build, off_wire, python_kernels) in builds.items():
+            index_module.kernels = _kernels if python_kernels else compiled
+            events = wire if off_wire else {"stored": stored, "removed": removed}
             runs[name].append(
                 one_run(
                     lambda: build(BLOCK),  # noqa: B023
                     lambda index, item: index.apply_events(*item),
-                    stored,
-                    removed,
+                    events["stored"],
+                    events["removed"],
                     {
                         "match": lambda index, p: index.match(pool[p]),
                         "lookup": lambda index, p: index.match_keys(keys[p]),
                     },
                     queries,
+                    decoded if off_wire else None,
                 )
             )
+    index_module.kernels = compiled
     return runs
 
 
@@ -371,9 +432,10 @@ def main() -> None:
     if isinstance(dynamo, str):
         print(f"Dynamo RadixTree: {dynamo}")
     else:
-        rows.append(("Dynamo RadixTree", medians(dynamo)))
+        rows.append(("Dynamo, bytes read just before", medians(dynamo["warm"])))
+        rows.append(("Dynamo RadixTree", medians(dynamo["cold"])))
     columns = ["store", "remove", "match p50", "match p99", "lookup p50", "bytes"]
-    print(f"\n{'index (blocks/s; µs)':30}" + "".join(f"{c:>32}" for c in columns))
+    print(f"\n{'index (blocks/s; µs)':32}" + "".join(f"{c:>32}" for c in columns))
     for name, figures in rows:
         cells = []
         for column in columns:
@@ -386,7 +448,7 @@ def main() -> None:
             if low != high:
                 cell += f" ({fmt.format(low)}-{fmt.format(high)})"
             cells.append(f" {cell:>31}")
-        print(f"{name:30}" + "".join(cells))
+        print(f"{name:32}" + "".join(cells))
     if not isinstance(dynamo, str):
         theirs = rows[-1][1]
         print(
@@ -397,11 +459,17 @@ def main() -> None:
             )
             + " (rates: higher is better; latencies, bytes: lower is better)"
         )
-        given = dict(rows)["kvbus, keys hashed before"]
-        print(
-            "kvbus with keys hashed before / Dynamo: "
-            + ", ".join(f"{c} {given[c][0] / theirs[c][0]:.2f}x" for c in ("store", "remove"))
-        )
+        named = dict(rows)
+        for ours, peer in (
+            ("kvbus, decoded just before", "Dynamo, bytes read just before"),
+            ("kvbus, keys hashed before", "Dynamo RadixTree"),
+        ):
+            print(
+                f"{ours} / {peer}: "
+                + ", ".join(
+                    f"{c} {named[ours][c][0] / named[peer][c][0]:.2f}x" for c in ("store", "remove")
+                )
+            )
 
 
 if __name__ == "__main__":

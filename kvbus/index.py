@@ -20,11 +20,13 @@ still chains (bounded: at most as many remembered as held, and at least 1,024).
 
 from __future__ import annotations
 
-from array import array
+import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, cast
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Final, cast
 
+from kvbus import _kernels
 from kvbus.envelope import Kind
 from kvbus.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, SourceStarted
 from kvbus.subscribe import Message, Resync
@@ -44,6 +46,27 @@ MAX_BLOCK_SIZE: Final = 1 << 20
 _MIN_REMEMBERED: Final = 1024
 
 
+def _load_kernels() -> ModuleType:
+    """``kvbus._ckernels`` (C, built at install where a compiler is found) unless it is
+    missing or ``KVBUS_PURE_PYTHON=1``; ``kvbus._kernels`` (the same loops in Python,
+    the same results, ~1.6x slower to apply events) otherwise."""
+    if not os.environ.get("KVBUS_PURE_PYTHON"):
+        try:
+            from kvbus import _ckernels
+        except ImportError:  # no compiler at install
+            pass
+        else:
+            return _ckernels
+    return _kernels
+
+
+if TYPE_CHECKING:  # the C module's functions are the Python ones' (kvbus/_ckernels.pyi)
+    kernels = _kernels
+else:
+    kernels = _load_kernels()
+"""The index's per-block loops in use (see `_load_kernels`)."""
+
+
 def block_keys(
     token_ids: Sequence[int],
     block_size: int,
@@ -61,10 +84,10 @@ def block_keys(
     its hash (a prompt: a block without that many tokens after it gets no key, as the
     engine does not cache it) or those tokens per block (a ``BlockStored``).
     """
-    data = array("I", token_ids).tobytes()
+    data = kernels.token_bytes(token_ids)
     step = block_size * 4
     if lora_name is None and extra_keys is None and not lookahead:
-        return _chain(data, step, parent)
+        return kernels.chain(data, step, parent)
     count = len(token_ids) // block_size
     tails: list[bytes] | None = None  # per block: the lookahead tokens in its hash
     if isinstance(lookahead, int):
@@ -73,7 +96,7 @@ def block_keys(
             ahead = lookahead * 4
             tails = [data[(i + 1) * step : (i + 1) * step + ahead] for i in range(count)]
     else:
-        tails = [array("I", tokens).tobytes() for tokens in lookahead]
+        tails = [kernels.token_bytes(tokens) for tokens in lookahead]
     keys = []
     for i in range(count):
         extra = None
@@ -89,16 +112,6 @@ def block_keys(
         parent = hash((parent, lora_name, extra, block))
         keys.append(parent)
     return keys
-
-
-def _chain(data: bytes, step: int, parent: int) -> list[int]:
-    """`block_keys` of a plain prompt (no LoRA, extra keys or lookahead) from its token
-    bytes: one comprehension, a third of the per-block time of the general loop, which
-    hashes the same tuple for such a block."""
-    return [
-        parent := hash((parent, None, None, data[start : start + step]))
-        for start in range(0, len(data) - step + 1, step)
-    ]
 
 
 def mask_numbers(mask: int) -> list[int]:
@@ -195,35 +208,33 @@ class PrefixIndex:
     def _stored(self, worker: str, event: BlockStored) -> None:
         if event.kv_cache_spec_kind not in _FULL_ATTENTION:
             return
-        if not 0 < event.block_size <= MAX_BLOCK_SIZE:
-            if event.block_size == 0 and not event.token_ids and event.medium in _OFF_GPU:
-                self._copied(worker, event)
+        if event.block_size != self.block_size:  # the usual case skips these checks
+            if not 0 < event.block_size <= MAX_BLOCK_SIZE:
+                if event.block_size == 0 and not event.token_ids and event.medium in _OFF_GPU:
+                    self._copied(worker, event)
+                    return
+                self.malformed += 1  # would poison every later match (block_size 0 divides)
                 return
-            self.malformed += 1  # would poison every later match (block_size 0 divides)
-            return
-        if self.block_size is None:
+            if self.block_size is not None:
+                return  # a partial-block entry (fine-grained hashing): never a full block
             self.block_size = event.block_size
-        elif event.block_size != self.block_size:
-            return  # a partial-block entry (fine-grained hashing): never a full block
-        state = self._worker(worker)
+        state = self._workers.get(worker) or self._worker(worker)
+        hashes = event.block_hashes
         shift = MEDIUM_SHIFTS.get(event.medium, 0)
         if shift:
             self.offloaded = True
         else:
-            self._stored_blocks[state.number] += len(event.block_hashes)
+            self._stored_blocks[state.number] += len(hashes)
         parent = _ROOT
         if event.parent_block_hash is not None:
             found = state.keys.get(event.parent_block_hash)
             if found is None:
-                self.unchained += len(event.block_hashes)
+                self.unchained += len(hashes)
                 return
             parent = found
+        lookahead = event.lookahead_token_ids
         try:
-            if (
-                event.lora_name is None
-                and event.extra_keys is None
-                and not event.lookahead_token_ids
-            ):
+            if event.lora_name is None and event.extra_keys is None and not lookahead:
                 keys = self._plain_keys(event.token_ids, parent)
             else:
                 keys = block_keys(
@@ -232,29 +243,22 @@ class PrefixIndex:
                     event.lora_name,
                     event.extra_keys,
                     parent,
-                    event.lookahead_token_ids or 0,
+                    lookahead or 0,
                 )
         except OverflowError:  # a token id below 0 or above 32 bits: no vocabulary's
             self.malformed += 1
             return
-        if event.lookahead_token_ids is not None:
+        if lookahead is not None:
             # Learned only from an event that applied: a skipped one must not change
             # how every later prompt is keyed.
-            self.lookahead = max((len(t) for t in event.lookahead_token_ids), default=0)
-        hashes = event.block_hashes
+            self.lookahead = max((len(t) for t in lookahead), default=0)
         if len(keys) > len(hashes):
             keys = keys[: len(hashes)]
-        state.keys.update(zip(hashes, keys, strict=False))
-        # Whole-event dict work in C: an event's blocks are nearly always new to the
-        # worker (one copy each); copies and full counts take the per-block way.
-        unit = 1 << shift
-        fresh = dict.fromkeys(keys, unit)
-        held = state.held
-        if len(fresh) == len(keys) and held.keys().isdisjoint(fresh):
-            held.update(fresh)
-            masks, bit = self._masks, state.bit
-            for key in keys:  # faster than a comprehension and an update
-                masks[key] = masks.get(key, 0) | bit
+        # An event's blocks are nearly always new to the worker (one copy each), whole
+        # in one call; copies and full counts take the per-block way.
+        if kernels.store_new(
+            state.keys, state.held, self._masks, hashes, keys, state.bit, 1 << shift
+        ):
             if not shift:
                 state.resident += len(keys)
         else:
@@ -267,11 +271,11 @@ class PrefixIndex:
         hard to collide as the keys themselves (the same keyed hash of the same bytes),
         and the shared keys are the very objects the index's dicts hold, quicker to
         find there."""
-        data = array("I", token_ids).tobytes()
+        data = kernels.token_bytes(token_ids)
         event_key = hash((parent, data))
         keys = self._chains.get(event_key)
         if keys is None:
-            keys = _chain(data, 4 * cast(int, self.block_size), parent)
+            keys = kernels.chain(data, 4 * cast(int, self.block_size), parent)
             if len(self._chains) >= max(_MIN_REMEMBERED, len(self._masks) >> 3):
                 self._chains.clear()  # the popular ones come back at once
             self._chains[event_key] = keys
@@ -311,16 +315,16 @@ class PrefixIndex:
             return
         shift = MEDIUM_SHIFTS.get(event.medium, 0)
         hashes = event.block_hashes
-        keys = list(map(state.keys.get, hashes))
-        # The usual eviction: distinct known blocks, each the worker's only copy (an
-        # unknown hash's None gets no count, so it takes the block-by-block way).
-        counts = list(map(state.held.get, cast(list[int], keys)))
-        if counts.count(1 << shift) == len(keys) == len(set(keys)):
-            self._drop(state, cast(list[int], keys))
+        # The usual eviction, whole in one call: distinct known blocks, each the
+        # worker's only copy; anything else block by block.
+        if kernels.drop_only_copies(
+            state.keys, state.held, self._masks, hashes, state.bit, 1 << shift
+        ):
             if not shift:
-                state.resident -= len(keys)
+                state.resident -= len(hashes)
             self._forget(state, hashes)
         else:
+            keys = list(map(state.keys.get, hashes))
             self._forget(state, self._remove_copies(state, hashes, keys, shift))
 
     def _remove_copies(
@@ -343,20 +347,8 @@ class PrefixIndex:
                 del held[key]
                 gone.append(key)
                 last.append(engine_hash)
-        self._drop(state, gone, held_too=False)
+        _kernels.clear_holder(self._masks, gone, state.bit)
         return last
-
-    def _drop(self, state: _Worker, keys: Iterable[int], held_too: bool = True) -> None:
-        """``state``'s worker no longer holds ``keys`` (in any medium)."""
-        held, masks, clear_bit = state.held, self._masks, ~state.bit
-        for key in keys:
-            if held_too:
-                del held[key]
-            mask = masks.get(key, 0) & clear_bit
-            if mask:
-                masks[key] = mask
-            else:
-                masks.pop(key, None)
 
     def _forget(self, state: _Worker, engine_hashes: Iterable[int | bytes]) -> None:
         """Remember the keys of ``engine_hashes`` (just removed) a while, as their
@@ -375,7 +367,7 @@ class PrefixIndex:
         state = self._workers.pop(worker, None)
         if state is None:
             return
-        self._drop(state, state.held, held_too=False)
+        _kernels.clear_holder(self._masks, state.held, state.bit)
 
     # --- querying --------------------------------------------------------------------
 

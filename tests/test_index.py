@@ -10,12 +10,22 @@ import msgspec
 import pytest
 
 import kvbus
-from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message
+import kvbus.index
+from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message, _kernels
 from kvbus.events import decode_kv_batch
 from kvbus.index import PrefixIndex
 from kvbus.subscribe import Resync, ResyncReason
 
 B = 4  # block size
+
+
+@pytest.fixture(autouse=True, params=["C kernels", "Python kernels"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here on the index's C loops and on their Python reference."""
+    if request.param == "Python kernels":
+        monkeypatch.setattr(kvbus.index, "kernels", _kernels)
+    elif kvbus.index.kernels is _kernels:
+        pytest.skip("kvbus._ckernels did not build (test_index_kernels says why)")
 
 
 def stored(

@@ -1,0 +1,354 @@
+/* kvbus._ckernels: PrefixIndex's per-block loops in C, on the index's own Python dicts.
+ *
+ * The same four functions as kvbus/_kernels.py (the reference, and the fallback where
+ * this does not build), with the same results: the index's state stays Python dicts
+ * and ints, so queries, introspection and the pure-Python index read it unchanged.
+ * tests/test_index_kernels.py checks the two against each other.
+ *
+ * What moves here is only what runs once per block (a bytes conversion, a chained
+ * hash, three dict updates); everything decided once per event stays in Python.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* An int below 2**30 read in place, or -1 for anything else (which takes the general
+ * way: a call per item, 3x slower over a 512-token event). */
+static inline Py_ssize_t
+small_int(PyObject *item)
+{
+    if (!PyLong_CheckExact(item))
+        return -1;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)item))
+        return -1;
+    return PyUnstable_Long_CompactValue((PyLongObject *)item); /* < 0 for a negative */
+#else
+    switch (Py_SIZE(item)) {
+    case 0:
+        return 0;
+    case 1:
+        return (Py_ssize_t)((PyLongObject *)item)->ob_digit[0];
+    default:
+        return -1;
+    }
+#endif
+}
+
+/* token_bytes(token_ids) -> bytes: the ids as native uint32, as array("I", ids).tobytes(). */
+static PyObject *
+token_bytes(PyObject *module, PyObject *token_ids)
+{
+    PyObject *seq = PySequence_Fast(token_ids, "token ids must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (n > PY_SSIZE_T_MAX / 4) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    char *dest = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        unsigned long value;
+        Py_ssize_t small = small_int(item);
+        if (small >= 0) {
+            uint32_t word = (uint32_t)small;
+            memcpy(dest + 4 * i, &word, 4);
+            continue;
+        }
+        if (PyLong_CheckExact(item)) {
+            value = PyLong_AsUnsignedLong(item); /* OverflowError when negative */
+        }
+        else {
+            PyObject *index = PyNumber_Index(item); /* TypeError when not an integer */
+            if (index == NULL)
+                goto fail;
+            value = PyLong_AsUnsignedLong(index);
+            Py_DECREF(index);
+        }
+        if (value == (unsigned long)-1 && PyErr_Occurred())
+            goto fail;
+        if (value > UINT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "token id does not fit in 32 bits");
+            goto fail;
+        }
+        uint32_t word = (uint32_t)value;
+        memcpy(dest + 4 * i, &word, 4);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* chain(data, step, parent) -> list[int]: hash((parent, None, None, block)) for each
+ * full ``step``-byte block of ``data``, each chained from the one before. The tuple is
+ * built and hashed by Python itself, so the keys are exactly the pure-Python ones. */
+static PyObject *
+chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "chain(data, step, parent) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *data = args[0];
+    if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "chain: data must be bytes");
+        return NULL;
+    }
+    Py_ssize_t step = PyLong_AsSsize_t(args[1]);
+    if (step == -1 && PyErr_Occurred())
+        return NULL;
+    if (step <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chain: step must be positive");
+        return NULL;
+    }
+    Py_ssize_t count = PyBytes_GET_SIZE(data) / step;
+    const char *bytes = PyBytes_AS_STRING(data);
+    PyObject *keys = PyList_New(count);
+    if (keys == NULL)
+        return NULL;
+    PyObject *parent = args[2];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *block = PyBytes_FromStringAndSize(bytes + i * step, step);
+        if (block == NULL)
+            goto fail;
+        PyObject *key = PyTuple_Pack(4, parent, Py_None, Py_None, block);
+        Py_DECREF(block);
+        if (key == NULL)
+            goto fail;
+        Py_hash_t hash = PyObject_Hash(key);
+        Py_DECREF(key);
+        if (hash == -1)
+            goto fail;
+        parent = PyLong_FromSsize_t(hash);
+        if (parent == NULL)
+            goto fail;
+        PyList_SET_ITEM(keys, i, parent); /* the list owns it; borrowed for the next */
+    }
+    return keys;
+fail:
+    /* PyList_New's unset slots are NULL, which the list's dealloc skips. */
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* mask | bit into masks[key] (a missing mask is 0). */
+static int
+add_holder(PyObject *masks, PyObject *key, PyObject *bit)
+{
+    PyObject *old = PyDict_GetItemWithError(masks, key);
+    if (old == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        return PyDict_SetItem(masks, key, bit);
+    }
+    PyObject *mask = PyNumber_Or(old, bit);
+    if (mask == NULL)
+        return -1;
+    int result = PyDict_SetItem(masks, key, mask);
+    Py_DECREF(mask);
+    return result;
+}
+
+/* masks[key] &= clear; a mask left empty goes (a missing one stays missing). */
+static int
+remove_holder(PyObject *masks, PyObject *key, PyObject *clear)
+{
+    PyObject *old = PyDict_GetItemWithError(masks, key);
+    if (old == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *mask = PyNumber_And(old, clear);
+    if (mask == NULL)
+        return -1;
+    int empty = !PyObject_IsTrue(mask);
+    int result = empty ? PyDict_DelItem(masks, key) : PyDict_SetItem(masks, key, mask);
+    Py_DECREF(mask);
+    return result;
+}
+
+static int
+check_dicts(PyObject *const *args, Py_ssize_t count, const char *name)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyDict_CheckExact(args[i])) {
+            PyErr_Format(PyExc_TypeError, "%s: argument %zd must be a dict", name, i + 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* store_new(known, held, masks, hashes, keys, bit, unit) -> bool
+ *
+ * known[hashes[i]] = keys[i] for every key (``keys`` is no longer than ``hashes``).
+ * Then, when every key is distinct and not in ``held`` (an event's blocks are nearly
+ * always new to the worker): held[key] = unit and masks[key] |= bit for each, and
+ * True. Otherwise False, ``held`` and ``masks`` untouched (the caller counts copies
+ * block by block). */
+static PyObject *
+store_new(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "store_new takes 7 arguments");
+        return NULL;
+    }
+    if (check_dicts(args, 3, "store_new") < 0)
+        return NULL;
+    PyObject *known = args[0], *held = args[1], *masks = args[2];
+    PyObject *bit = args[5], *unit = args[6];
+    PyObject *hashes = PySequence_Fast(args[3], "store_new: hashes must be a sequence");
+    if (hashes == NULL)
+        return NULL;
+    PyObject *keys = PySequence_Fast(args[4], "store_new: keys must be a sequence");
+    if (keys == NULL) {
+        Py_DECREF(hashes);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **key = PySequence_Fast_ITEMS(keys);
+    PyObject **hash = PySequence_Fast_ITEMS(hashes);
+    if (n > PySequence_Fast_GET_SIZE(hashes)) {
+        PyErr_SetString(PyExc_ValueError, "store_new: more keys than hashes");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyDict_SetItem(known, hash[i], key[i]) < 0)
+            goto done;
+    }
+    /* One lookup per block: held grows by one per new key; a key already there (or
+     * repeated in this event) does not grow it, and the keys added before it go. */
+    Py_ssize_t size = PyDict_GET_SIZE(held);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyDict_SetDefault(held, key[i], unit) == NULL)
+            goto done;
+        if (PyDict_GET_SIZE(held) == size) {
+            for (Py_ssize_t j = 0; j < i; j++) {
+                if (PyDict_DelItem(held, key[j]) < 0)
+                    goto done;
+            }
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+        size++;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (add_holder(masks, key[i], bit) < 0)
+            goto done;
+    }
+    result = Py_NewRef(Py_True);
+done:
+    Py_DECREF(hashes);
+    Py_DECREF(keys);
+    return result;
+}
+
+/* drop_only_copies(known, held, masks, hashes, bit, unit) -> bool
+ *
+ * When every hash is known, distinct, and its block's count is exactly ``unit`` (the
+ * worker's only copy, in that medium: the usual eviction): the blocks leave ``held``,
+ * the worker's bit leaves their masks, and True. Otherwise False, nothing changed. */
+static PyObject *
+drop_only_copies(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "drop_only_copies takes 6 arguments");
+        return NULL;
+    }
+    if (check_dicts(args, 3, "drop_only_copies") < 0)
+        return NULL;
+    PyObject *known = args[0], *held = args[1], *masks = args[2];
+    PyObject *bit = args[4], *unit = args[5];
+    PyObject *hashes = PySequence_Fast(args[3], "drop_only_copies: hashes must be a sequence");
+    if (hashes == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    PyObject **hash = PySequence_Fast_ITEMS(hashes);
+    PyObject *result = NULL, *clear = NULL;
+    /* Borrowed from ``known`` (left unchanged here), so they outlive held's copies. */
+    PyObject **keys = PyMem_New(PyObject *, n > 0 ? n : 1);
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        keys[i] = PyDict_GetItemWithError(known, hash[i]);
+        if (keys[i] == NULL) {
+            if (!PyErr_Occurred())
+                result = Py_NewRef(Py_False);
+            goto done;
+        }
+        PyObject *count = PyDict_GetItemWithError(held, keys[i]);
+        if (count == NULL) {
+            if (!PyErr_Occurred())
+                result = Py_NewRef(Py_False);
+            goto done;
+        }
+        int only = PyObject_RichCompareBool(count, unit, Py_EQ);
+        if (only <= 0) {
+            if (only == 0)
+                result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyDict_DelItem(held, keys[i]) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError))
+                goto done;
+            /* keys[i] repeats an earlier block of this event: put them back. */
+            PyErr_Clear();
+            for (Py_ssize_t j = 0; j < i; j++) {
+                if (PyDict_SetItem(held, keys[j], unit) < 0)
+                    goto done;
+            }
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    clear = PyNumber_Invert(bit);
+    if (clear == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (remove_holder(masks, keys[i], clear) < 0)
+            goto done;
+    }
+    result = Py_NewRef(Py_True);
+done:
+    PyMem_Free(keys);
+    Py_XDECREF(clear);
+    Py_DECREF(hashes);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"token_bytes", (PyCFunction)token_bytes, METH_O, NULL},
+    {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, NULL},
+    {"store_new", (PyCFunction)(void (*)(void))store_new, METH_FASTCALL, NULL},
+    {"drop_only_copies", (PyCFunction)(void (*)(void))drop_only_copies, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvbus._ckernels",
+    .m_doc = "PrefixIndex's per-block loops in C (kvbus/_kernels.py is the reference).",
+    .m_size = 0,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__ckernels(void)
+{
+    return PyModuleDef_Init(&module);
+}

@@ -1,0 +1,86 @@
+"""`PrefixIndex`'s per-block loops in Python: the reference for ``kvbus/_ckernels.c``
+(built at install where a C compiler is found) and the fallback where it is not, or
+where ``KVBUS_PURE_PYTHON=1``. Both take and change the index's own dicts, with the
+same results (tests/test_index_kernels.py checks them against each other)."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import cast
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """The ids as native uint32 (OverflowError for one below 0 or past 32 bits)."""
+    return array("I", token_ids).tobytes()
+
+
+def chain(data: bytes, step: int, parent: int) -> list[int]:
+    """The key of each full ``step``-byte block of ``data``, chained from ``parent``:
+    the hash of (parent key, no LoRA, no extra keys, the block's bytes)."""
+    if step <= 0:
+        raise ValueError("chain: step must be positive")
+    return [
+        parent := hash((parent, None, None, data[start : start + step]))
+        for start in range(0, len(data) - step + 1, step)
+    ]
+
+
+def store_new(
+    known: dict[int | bytes, int],
+    held: dict[int, int],
+    masks: dict[int, int],
+    hashes: Sequence[int | bytes],
+    keys: Sequence[int],
+    bit: int,
+    unit: int,
+) -> bool:
+    """``known[hash] = key`` for each pair (``keys`` no longer than ``hashes``); then,
+    when every key is distinct and new to ``held`` (an event's blocks nearly always
+    are): one copy (``unit``) of each in ``held``, ``bit`` in each one's mask, and
+    True. Otherwise False with ``held`` and ``masks`` untouched (the caller counts the
+    copies block by block)."""
+    if len(keys) > len(hashes):
+        raise ValueError("store_new: more keys than hashes")
+    known.update(zip(hashes, keys, strict=False))
+    fresh = dict.fromkeys(keys, unit)
+    if len(fresh) != len(keys) or not held.keys().isdisjoint(fresh):
+        return False
+    held.update(fresh)
+    for key in keys:  # faster than a comprehension and an update
+        masks[key] = masks.get(key, 0) | bit
+    return True
+
+
+def drop_only_copies(
+    known: dict[int | bytes, int],
+    held: dict[int, int],
+    masks: dict[int, int],
+    hashes: Sequence[int | bytes],
+    bit: int,
+    unit: int,
+) -> bool:
+    """When every hash is known, distinct, and its block's count in ``held`` is exactly
+    ``unit`` (the worker's only copy, in that medium: the usual eviction): the blocks
+    leave ``held``, ``bit`` leaves their masks, and True. Otherwise False, nothing
+    changed."""
+    # An unknown hash's key is None, whose count (None) is not ``unit``.
+    keys = cast(list[int], list(map(known.get, hashes)))
+    if not (list(map(held.get, keys)).count(unit) == len(keys) == len(set(keys))):
+        return False
+    for key in keys:
+        del held[key]
+    clear_holder(masks, keys, bit)
+    return True
+
+
+def clear_holder(masks: dict[int, int], keys: Iterable[int], bit: int) -> None:
+    """``bit`` out of the mask of each of ``keys``; a mask left empty goes. (Not a
+    kernel of its own: a worker's clear and its rarer removals call it.)"""
+    clear = ~bit
+    for key in keys:
+        mask = masks.get(key, 0) & clear
+        if mask:
+            masks[key] = mask
+        else:
+            masks.pop(key, None)
