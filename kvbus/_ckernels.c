@@ -56,29 +56,23 @@ token_bytes(PyObject *module, PyObject *token_ids)
     }
     char *dest = PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = items[i];
         unsigned long value;
-        Py_ssize_t small = small_int(item);
+        Py_ssize_t small = small_int(items[i]);
         if (small >= 0) {
-            uint32_t word = (uint32_t)small;
-            memcpy(dest + 4 * i, &word, 4);
-            continue;
-        }
-        if (PyLong_CheckExact(item)) {
-            value = PyLong_AsUnsignedLong(item); /* OverflowError when negative */
+            value = (unsigned long)small;
         }
         else {
-            PyObject *index = PyNumber_Index(item); /* TypeError when not an integer */
+            PyObject *index = PyNumber_Index(items[i]); /* TypeError when not an integer */
             if (index == NULL)
                 goto fail;
-            value = PyLong_AsUnsignedLong(index);
+            value = PyLong_AsUnsignedLong(index); /* OverflowError when negative */
             Py_DECREF(index);
-        }
-        if (value == (unsigned long)-1 && PyErr_Occurred())
-            goto fail;
-        if (value > UINT32_MAX) {
-            PyErr_SetString(PyExc_OverflowError, "token id does not fit in 32 bits");
-            goto fail;
+            if (value == (unsigned long)-1 && PyErr_Occurred())
+                goto fail;
+            if (value > UINT32_MAX) {
+                PyErr_SetString(PyExc_OverflowError, "token id does not fit in 32 bits");
+                goto fail;
+            }
         }
         uint32_t word = (uint32_t)value;
         memcpy(dest + 4 * i, &word, 4);

@@ -208,17 +208,17 @@ class PrefixIndex:
     def _stored(self, worker: str, event: BlockStored) -> None:
         if event.kv_cache_spec_kind not in _FULL_ATTENTION:
             return
-        if event.block_size != self.block_size:  # the usual case skips these checks
-            if not 0 < event.block_size <= MAX_BLOCK_SIZE:
-                if event.block_size == 0 and not event.token_ids and event.medium in _OFF_GPU:
-                    self._copied(worker, event)
-                    return
-                self.malformed += 1  # would poison every later match (block_size 0 divides)
+        if not 0 < event.block_size <= MAX_BLOCK_SIZE:
+            if event.block_size == 0 and not event.token_ids and event.medium in _OFF_GPU:
+                self._copied(worker, event)
                 return
-            if self.block_size is not None:
-                return  # a partial-block entry (fine-grained hashing): never a full block
+            self.malformed += 1  # would poison every later match (block_size 0 divides)
+            return
+        if self.block_size is None:
             self.block_size = event.block_size
-        state = self._workers.get(worker) or self._worker(worker)
+        elif event.block_size != self.block_size:
+            return  # a partial-block entry (fine-grained hashing): never a full block
+        state = self._worker(worker)
         hashes = event.block_hashes
         shift = MEDIUM_SHIFTS.get(event.medium, 0)
         if shift:
