@@ -12,6 +12,14 @@ chained by engine hashes; then each worker evicts a quarter of its prompts as 16
   just before its apply, off the clock: in cache, as in a router, whose subscriber hands
   each batch over right after decoding it (above, all events are decoded first, and
   most are out of cache when applied).
+* kvbus, bytes read just before: `PrefixIndex.apply_payload` of each batch's wire bytes,
+  decoding timed (as a router applies what its subscription delivers: token ids read
+  packed into the keys, no int object per token); the bytes read through just before,
+  off the clock (in cache, as just received). Dynamo's apply parses its bytes on the
+  clock too: this row and *Dynamo, bytes read just before* do the same job.
+* kvbus, decoded on the clock: the same bytes decoded into structs (`decode_kv_batch`,
+  as the subscriber does when a consumer reads ``Message.body``) and applied, both
+  timed: a router's way in before `apply_payload`.
 * kvbus, Python kernels: the first row with the index's per-block loops in Python
   (``kvbus/_kernels.py``, the fallback where the C ones did not build).
 * kvbus, keys hashed before: the same, with each event's keys computed before the clock
@@ -72,9 +80,10 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[Step], lis
     """Prompts, stored events, removed events and query prompts: only the standard
     library, so that the Dynamo child builds exactly the parent's workload."""
     rng = random.Random(1)
-    system = [rng.randrange(256) for _ in range(8 * BLOCK)]
+    vocab = args.vocab
+    system = [rng.randrange(vocab) for _ in range(8 * BLOCK)]
     pool = [
-        system + [rng.randrange(256) for _ in range((PROMPT_BLOCKS - 8) * BLOCK)]
+        system + [rng.randrange(vocab) for _ in range((PROMPT_BLOCKS - 8) * BLOCK)]
         for _ in range(args.prompts)
     ]
     stores: list[Step] = []
@@ -103,6 +112,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-worker", type=int, default=16, help="4k prompts cached each")
     parser.add_argument("--prompts", type=int, default=2000, help="distinct 4k prompts")
     parser.add_argument("--queries", type=int, default=2000)
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=128_256,
+        help="token ids drawn below this (Llama 3's vocabulary; before 2026-11-23: 256)",
+    )
 
 
 def engine_hash(prompt: int, block: int) -> int:
@@ -296,7 +311,8 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     import msgspec
 
     import kvbus.index as index_module
-    from kvbus import BlockRemoved, BlockStored, _kernels
+    from kvbus import BlockRemoved, BlockStored, KVEventBatch, _kernels
+    from kvbus.events import decode_kv_batch
     from kvbus.index import PrefixIndex, block_keys
 
     pool, stores, removals, queries = workload(args)
@@ -314,38 +330,52 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
         for s in removals
     ]
     keys = {p: block_keys(pool[p], BLOCK) for p in set(queries)}
-    # The same events as their wire bytes, each decoded off the clock just before its
-    # apply: in cache, as the subscriber hands a batch over right after decoding it.
+    # The same events as their wire bytes (one KVEventBatch each).
     encode = msgspec.msgpack.Encoder().encode
-    decode = msgspec.msgpack.Decoder(list[BlockStored | BlockRemoved]).decode
     wire = {
-        "stored": [(s, (worker, encode(events))) for s, (worker, events) in stored],
-        "removed": [(s, (worker, encode(events))) for s, (worker, events) in removed],
+        "stored": [(s, (w, encode(KVEventBatch(0.0, e)))) for s, (w, e) in stored],
+        "removed": [(s, (w, encode(KVEventBatch(0.0, e)))) for s, (w, e) in removed],
     }
 
     def decoded(item: tuple[str, bytes]) -> tuple[str, list[Any]]:
-        return item[0], decode(item[1])
+        return item[0], decode_kv_batch(item[1])[0].events
 
-    # name: (build, events off the wire, the Python kernels)
-    builds: dict[str, tuple[Any, bool, bool]] = {
-        "kvbus PrefixIndex": (PrefixIndex, False, False),
-        "kvbus, decoded just before": (PrefixIndex, True, False),
-        "kvbus, keys hashed before": (keys_hashed_before(PrefixIndex, stored), False, False),
+    def read(item: tuple[str, bytes]) -> tuple[str, bytes]:
+        item[1].count(b"\x00")  # every byte read: in cache, as if just received
+        return item
+
+    def decode_and_apply(index: PrefixIndex, item: tuple[str, bytes]) -> None:
+        index.apply_events(item[0], decode_kv_batch(item[1])[0].events)
+
+    def apply_events(index: PrefixIndex, item: tuple[str, list[Any]]) -> None:
+        index.apply_events(*item)
+
+    def apply_payload(index: PrefixIndex, item: tuple[str, bytes]) -> None:
+        index.apply_payload(*item)
+
+    # name: (build, what is applied, how, prepared how off the clock, Python kernels)
+    structs, off_wire = {"stored": stored, "removed": removed}, wire
+    plain = (structs, apply_events, None, False)
+    builds: dict[str, tuple[Any, Any, Any, Any, bool]] = {
+        "kvbus PrefixIndex": (PrefixIndex, *plain),
+        "kvbus, decoded just before": (PrefixIndex, off_wire, apply_events, decoded, False),
+        "kvbus, bytes read just before": (PrefixIndex, off_wire, apply_payload, read, False),
+        "kvbus, decoded on the clock": (PrefixIndex, off_wire, decode_and_apply, read, False),
+        "kvbus, keys hashed before": (keys_hashed_before(PrefixIndex, stored), *plain),
     }
     if index_module.kernels is not _kernels:
-        builds["kvbus, Python kernels"] = (PrefixIndex, False, True)
+        builds["kvbus, Python kernels"] = (PrefixIndex, structs, apply_events, None, True)
     for revision in args.against:
-        builds[f"kvbus PrefixIndex @{revision}"] = (index_at(revision), False, False)
+        builds[f"kvbus PrefixIndex @{revision}"] = (index_at(revision), *plain)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in builds}
     compiled = index_module.kernels
     for _ in range(args.repeats):  # the revisions take turns: the same noise for each
-        for name, (build, off_wire, python_kernels) in builds.items():
+        for name, (build, events, apply, prepare, python_kernels) in builds.items():
             index_module.kernels = _kernels if python_kernels else compiled
-            events = wire if off_wire else {"stored": stored, "removed": removed}
             runs[name].append(
                 one_run(
                     lambda: build(BLOCK),  # noqa: B023
-                    lambda index, item: index.apply_events(*item),
+                    apply,
                     events["stored"],
                     events["removed"],
                     {
@@ -353,7 +383,7 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
                         "lookup": lambda index, p: index.match_keys(keys[p]),
                     },
                     queries,
-                    decoded if off_wire else None,
+                    prepare,
                 )
             )
     index_module.kernels = compiled
@@ -366,18 +396,25 @@ def keys_hashed_before(index_class: Any, stored: list[tuple[Step, Any]]) -> Any:
     work alone costs. The keys are the very ones the index computes (recorded in a pass
     at the first build, in this process: the same hash key; after the plain index's
     first run, whose memory growth is the one reported), shared between workers as it
-    shares them."""
-    recorded: dict[tuple[int, int], list[int]] = {}
+    shares them, and handed out in the order the events apply (the same every run)."""
+    recorded: list[list[int]] = []
 
     class Recording(index_class):  # type: ignore[misc,valid-type]
-        def _plain_keys(self, token_ids: list[int], parent: int) -> list[int]:
-            keys: list[int] = super()._plain_keys(token_ids, parent)
-            recorded[id(token_ids), parent] = keys
+        def _plain_keys(self, data: bytes, parent: int) -> list[int]:
+            keys: list[int] = super()._plain_keys(data, parent)
+            recorded.append(keys)
             return keys
 
     class KeysGiven(index_class):  # type: ignore[misc,valid-type]
-        def _plain_keys(self, token_ids: list[int], parent: int) -> list[int]:
-            return recorded[id(token_ids), parent]
+        def __init__(self, block_size: int) -> None:
+            super().__init__(block_size)
+            self._given = iter(recorded)
+
+        def _stored(self, worker: str, event: Any, data: bytes | None = None) -> None:
+            super()._stored(worker, event, b"")  # no token bytes: the keys are given
+
+        def _plain_keys(self, data: bytes, parent: int) -> list[int]:
+            return next(self._given)
 
     def build(block_size: int) -> Any:
         if not recorded:
@@ -449,6 +486,12 @@ def main() -> None:
                 cell += f" ({fmt.format(low)}-{fmt.format(high)})"
             cells.append(f" {cell:>31}")
         print(f"{name:32}" + "".join(cells))
+    named = dict(rows)
+    new, old = named["kvbus, bytes read just before"], named["kvbus, decoded on the clock"]
+    print(
+        "\nkvbus from bytes: apply_payload / decode_kv_batch + apply_events: "
+        + ", ".join(f"{c} {new[c][0] / old[c][0]:.2f}x" for c in ("store", "remove"))
+    )
     if not isinstance(dynamo, str):
         theirs = rows[-1][1]
         print(
@@ -459,8 +502,8 @@ def main() -> None:
             )
             + " (rates: higher is better; latencies, bytes: lower is better)"
         )
-        named = dict(rows)
         for ours, peer in (
+            ("kvbus, bytes read just before", "Dynamo, bytes read just before"),
             ("kvbus, decoded just before", "Dynamo, bytes read just before"),
             ("kvbus, keys hashed before", "Dynamo RadixTree"),
         ):

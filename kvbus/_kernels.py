@@ -9,10 +9,21 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import cast
 
+import msgspec
+
+_token_ids: msgspec.msgpack.Decoder[list[int]] = msgspec.msgpack.Decoder(list[int])
+
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """The ids as native uint32 (OverflowError for one below 0 or past 32 bits)."""
     return array("I", token_ids).tobytes()
+
+
+def packed_token_bytes(packed: bytes | msgspec.Raw) -> bytes:
+    """The token ids in ``packed``, a msgpack array of ints (an event's ``token_ids`` as
+    sent: ``msgspec.Raw``), as native uint32: ValueError (msgspec's) when it is not
+    exactly that, else OverflowError for an id below 0 or past 32 bits."""
+    return token_bytes(_token_ids.decode(packed))
 
 
 def chain(data: bytes, step: int, parent: int) -> list[int]:

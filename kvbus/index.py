@@ -28,7 +28,16 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from kvbus import _kernels
 from kvbus.envelope import Kind
-from kvbus.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, SourceStarted
+from kvbus.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    PackedBlockStored,
+    SourceStarted,
+    decode_kv_batch,
+    decode_packed_kv_batch,
+)
 from kvbus.subscribe import Message, Resync
 
 # A worker's copies of a block in each medium are packed in one int (a field of
@@ -85,14 +94,26 @@ def block_keys(
     engine does not cache it) or those tokens per block (a ``BlockStored``).
     """
     data = kernels.token_bytes(token_ids)
+    return _keys_of(data, block_size, lora_name, extra_keys, parent, lookahead)
+
+
+def _keys_of(
+    data: bytes,
+    block_size: int,
+    lora_name: str | None,
+    extra_keys: Sequence[Any] | None,
+    parent: int,
+    lookahead: int | Sequence[Sequence[int]],
+) -> list[int]:
+    """`block_keys` of the tokens in ``data`` (`kernels.token_bytes`' uint32 bytes)."""
     step = block_size * 4
     if lora_name is None and extra_keys is None and not lookahead:
         return kernels.chain(data, step, parent)
-    count = len(token_ids) // block_size
+    count = len(data) // step
     tails: list[bytes] | None = None  # per block: the lookahead tokens in its hash
     if isinstance(lookahead, int):
         if lookahead:
-            count = max(0, (len(token_ids) - lookahead) // block_size)
+            count = max(0, (len(data) // 4 - lookahead) // block_size)
             ahead = lookahead * 4
             tails = [data[(i + 1) * step : (i + 1) * step + ahead] for i in range(count)]
     else:
@@ -182,13 +203,56 @@ class PrefixIndex:
     # --- feeding ---------------------------------------------------------------------
 
     def apply(self, item: Message | Resync) -> None:
-        """Apply one item of ``kvbus.subscribe()``."""
+        """Apply one item of ``kvbus.subscribe()``. A KV batch whose ``body`` nobody
+        has read yet is applied from its ``packed_events`` (token ids read straight
+        into keys: see `apply_payload`), its ``body`` left undecoded."""
         if isinstance(item, Resync):
             self.clear(item.source)
-        elif item.kind == Kind.KV and isinstance(item.body, KVEventBatch):
-            self.apply_events(item.source, item.body.events)
+        elif item.kind == Kind.KV:
+            packed = item.packed_events
+            if packed is None or not self._apply_packed(item.source, packed):
+                # Decoded as the subscriber does, which counts the events it skips.
+                body = item.body
+                if isinstance(body, KVEventBatch):
+                    self.apply_events(item.source, body.events)
         elif isinstance(item.body, SourceStarted):
             self.clear(item.source)
+
+    def apply_payload(self, worker: str, payload: bytes) -> int:
+        """Apply a ``KVEventBatch`` straight from its msgpack bytes (``Message.payload``,
+        or vLLM's own ZMQ payload): the quickest way in, as each event's token ids go
+        into the index's keys without an int object per token. A batch the quick way
+        does not take (vLLM's older dialect, an event type or a field this kvbus does
+        not know, a token id that is no uint32) is decoded as `kvbus.subscribe()` does.
+        Returns how many events were skipped as unknown or malformed; raises msgspec's
+        errors when ``payload`` is no batch at all."""
+        packed = decode_packed_kv_batch(payload)
+        if packed is not None and self._apply_packed(worker, packed.events):
+            return 0
+        batch, skipped = decode_kv_batch(payload)
+        self.apply_events(worker, batch.events)
+        return skipped
+
+    def _apply_packed(self, worker: str, events: list[Any]) -> bool:
+        """Apply a batch's packed events, or (nothing applied) False where any store's
+        token ids are not uint32s: all are read before the first event applies, so the
+        caller can take the whole batch the usual way."""
+        try:
+            # One bytes per event (None: not a store).
+            tokens = [
+                kernels.packed_token_bytes(e.token_ids) if type(e) is PackedBlockStored else None
+                for e in events
+            ]
+        except (ValueError, OverflowError):  # msgspec's error when not ints
+            return False
+        for event, data in zip(events, tokens, strict=True):
+            if data is not None:
+                self._stored(worker, event, data)
+            elif type(event) is BlockRemoved:
+                self._removed(worker, event)
+            else:
+                self.clear(worker)  # AllBlocksCleared
+        return True
 
     def apply_events(self, worker: str, events: Iterable[Any]) -> None:
         for event in events:
@@ -205,11 +269,13 @@ class PrefixIndex:
             state = self._workers[worker] = _Worker(self.worker_number(worker))
         return state
 
-    def _stored(self, worker: str, event: BlockStored) -> None:
+    def _stored(self, worker: str, event: BlockStored, data: bytes | None = None) -> None:
+        """Apply a store; ``data``: its token ids already as `kernels.token_bytes`."""
         if event.kv_cache_spec_kind not in _FULL_ATTENTION:
             return
         if not 0 < event.block_size <= MAX_BLOCK_SIZE:
-            if event.block_size == 0 and not event.token_ids and event.medium in _OFF_GPU:
+            tokenless = not event.token_ids if data is None else not data
+            if event.block_size == 0 and tokenless and event.medium in _OFF_GPU:
                 self._copied(worker, event)
                 return
             self.malformed += 1  # would poison every later match (block_size 0 divides)
@@ -234,11 +300,13 @@ class PrefixIndex:
             parent = found
         lookahead = event.lookahead_token_ids
         try:
+            if data is None:
+                data = kernels.token_bytes(event.token_ids)
             if event.lora_name is None and event.extra_keys is None and not lookahead:
-                keys = self._plain_keys(event.token_ids, parent)
+                keys = self._plain_keys(data, parent)
             else:
-                keys = block_keys(
-                    event.token_ids,
+                keys = _keys_of(
+                    data,
                     self.block_size,
                     event.lora_name,
                     event.extra_keys,
@@ -264,14 +332,14 @@ class PrefixIndex:
         else:
             self._add_copies(state, keys, shift)
 
-    def _plain_keys(self, token_ids: Sequence[int], parent: int) -> list[int]:
-        """`block_keys` of a plain event's blocks, shared by every worker that stores
-        the same blocks under the same parent (a fleet caches its popular prefixes on
-        many workers): one hash over the event's tokens finds them. That hash is as
+    def _plain_keys(self, data: bytes, parent: int) -> list[int]:
+        """`block_keys` of a plain event's blocks (``data``: its token bytes), shared by
+        every worker that stores the same blocks under the same parent (a fleet caches
+        its popular prefixes on many workers): one hash over the event's tokens finds
+        them. That hash is as
         hard to collide as the keys themselves (the same keyed hash of the same bytes),
         and the shared keys are the very objects the index's dicts hold, quicker to
         find there."""
-        data = kernels.token_bytes(token_ids)
         event_key = hash((parent, data))
         keys = self._chains.get(event_key)
         if keys is None:

@@ -60,7 +60,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvbus.events import KVEventBatch, LoadMetrics, RouteEvent, SourceStopped
+from kvbus.envelope import Kind
+from kvbus.events import LoadMetrics, RouteEvent, SourceStopped
 from kvbus.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex, mask_numbers
 from kvbus.subscribe import Message, Resync, ResyncReason
 
@@ -218,10 +219,10 @@ class Router:
         self.index.apply(item)
         if isinstance(item, Resync):
             return
-        if isinstance(item.body, SourceStopped):
-            self._stopped(item)
-        elif isinstance(item.body, KVEventBatch):
+        if item.kind == Kind.KV:  # its body left undecoded: the index read its payload
             self._count_insertions(item.source)
+        elif isinstance(item.body, SourceStopped):
+            self._stopped(item)
 
     def _count_insertions(self, worker: str) -> None:
         number = self.index.worker_number(worker)

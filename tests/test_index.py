@@ -14,6 +14,7 @@ import kvbus.index
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message, _kernels
 from kvbus.events import decode_kv_batch
 from kvbus.index import PrefixIndex
+from kvbus.subscribe import _SLICE as SLICE
 from kvbus.subscribe import Resync, ResyncReason
 
 B = 4  # block size
@@ -161,16 +162,32 @@ RECORDED = msgspec.msgpack.decode(
 RB = RECORDED["block_size"]
 
 
-def replay(
-    index: PrefixIndex, worker: str, run: str, start: int = 0, stop: int | None = None
-) -> int:
-    """Feed ``worker`` the recorded engine payloads [start, stop) of ``run``; returns stop."""
-    payloads = RECORDED["runs"][run]["payloads"]
-    stop = len(payloads) if stop is None else stop
-    for payload in payloads[start:stop]:
-        batch, _ = decode_kv_batch(payload)
-        index.apply(Message(worker, 1, 1, Kind.KV, 0.0, batch, payload, 0))
-    return stop
+class Replay:
+    """Feeds an index recorded engine payloads, the ``way_in`` given."""
+
+    def __init__(self, way_in: str) -> None:
+        self.way_in = way_in
+
+    def __call__(
+        self, index: PrefixIndex, worker: str, run: str, start: int = 0, stop: int | None = None
+    ) -> int:
+        """Feed ``worker`` the payloads [start, stop) of ``run``; returns stop."""
+        payloads = RECORDED["runs"][run]["payloads"]
+        stop = len(payloads) if stop is None else stop
+        for payload in payloads[start:stop]:
+            if self.way_in == "payload":
+                assert index.apply_payload(worker, payload) == 0
+            else:
+                batch, _ = decode_kv_batch(payload)
+                index.apply(Message(worker, 1, 1, Kind.KV, 0.0, batch, payload, 0))
+        return stop
+
+
+@pytest.fixture(params=["decoded", "payload"])
+def replay(request: pytest.FixtureRequest) -> Replay:
+    """The recorded payloads decoded first (a consumer read the body), or applied
+    straight from their bytes (`PrefixIndex.apply_payload`)."""
+    return Replay(request.param)
 
 
 def predicted(index: PrefixIndex, worker: str, step: dict[str, Any]) -> int:
@@ -188,7 +205,7 @@ def kinds(run: str) -> set[str]:
 
 
 @pytest.mark.parametrize("run", ["a", "b"])
-def test_recorded_engine_runs_predicted_and_mirrored_step_by_step(run: str) -> None:
+def test_recorded_engine_runs_predicted_and_mirrored_step_by_step(run: str, replay: Replay) -> None:
     """Run a evicts (a 32-block cache) and clears (reset_prefix_cache); run b serves a
     LoRA adapter over the same tokens. Before each prompt the index predicts the
     engine's cache hit exactly; after it the index holds exactly the engine's blocks."""
@@ -210,7 +227,7 @@ def test_recorded_engine_runs_predicted_and_mirrored_step_by_step(run: str) -> N
     assert expected <= kinds(run)
 
 
-def test_recorded_lora_blocks_match_only_with_their_adapter() -> None:
+def test_recorded_lora_blocks_match_only_with_their_adapter(replay: Replay) -> None:
     steps = RECORDED["runs"]["b"]["steps"]
     tokens = steps[0]["tokens"]
     assert steps[1]["tokens"] == tokens and steps[1]["lora"] == "tenant-lora"
@@ -231,13 +248,70 @@ async def test_recorded_engine_restart_replaces_that_workers_blocks(memory_url: 
             for payload in RECORDED["runs"][run]["payloads"]:
                 publisher.publish(payload)
     index = PrefixIndex()
+    undecoded = 0
     async with kvbus.subscribe("kv", memory_url, follow=False) as items:
         async for item in items:
             index.apply(item)
+            if isinstance(item, Message) and item.kind == Kind.KV:
+                undecoded += not item.decoded  # applied from its payload
+        assert items.stats.skipped_events == 0
     assert index.blocks("w") == set(RECORDED["runs"]["b"]["steps"][-1]["engine_blocks"])
+    assert undecoded == sum(len(RECORDED["runs"][r]["payloads"]) for r in "ab")
 
 
-def test_recorded_two_engines_hold_the_same_prefix() -> None:
+async def test_the_subscriber_decodes_batches_packed_once_the_index_reads_them(
+    memory_url: str,
+) -> None:
+    """The index reads each batch's ``packed_events``; after the first slice, the
+    subscriber decodes them so as its check of each batch (no second decode), and
+    nobody decodes a body but that of the one batch packed events cannot hold."""
+    batches = 3 * SLICE
+    with kvbus.Publisher(memory_url, source="w") as publisher:
+        for i in range(batches):
+            events: list[Any] = [stored([i], list(range(i * B, (i + 1) * B)))]
+            if i == 2 * SLICE:
+                events.append({"type": "BlockPinned", "block_hashes": [i]})
+            publisher.publish(msgspec.msgpack.encode([1.0, events]))
+    index = PrefixIndex()
+    async with kvbus.subscribe("kv", memory_url, follow=False) as items:
+        async for item in items:
+            index.apply(item)
+        decoded_by_the_consumer = items._undecoded.packed_read
+        assert items._undecoded.read == 1 and items.stats.skipped_events == 1
+    assert index.blocks("w") == set(range(batches))
+    assert 0 < decoded_by_the_consumer <= SLICE
+
+
+async def test_a_batch_the_quick_way_does_not_take_is_decoded_and_counted(
+    memory_url: str,
+) -> None:
+    """What `PrefixIndex.apply` cannot read with packed token ids (vLLM's older array
+    dialect, an event type this kvbus does not know, token ids that are not ints) is
+    decoded the subscriber's way: the rest applies, and the skipped events are counted
+    once, in the subscription's stats."""
+    current = stored([1, 2], PROMPT[: 2 * B])
+    older = ["BlockStored", [3, 4], None, PROMPT[2 * B :], B, None, "GPU", None]
+    payloads = [
+        msgspec.msgpack.encode([1.0, [older], None]),
+        msgspec.msgpack.encode([1.0, [current, {"type": "BlockPinned", "block_hashes": [1]}]]),
+        msgspec.msgpack.encode([1.0, [{**msgspec.to_builtins(current), "token_ids": ["x"]}]]),
+    ]
+    with kvbus.Publisher(memory_url, source="w") as publisher:
+        for payload in payloads:
+            publisher.publish(payload)
+    index = PrefixIndex()
+    async with kvbus.subscribe("kv", memory_url, follow=False) as items:
+        async for item in items:
+            index.apply(item)
+        assert items.stats.skipped_events == 2
+    assert index.match(PROMPT) == {"w": 2 * B}  # the current store; the older one
+    assert index.blocks("w") == {1, 2, 3, 4}  # chains under no parent of its own
+    fresh = PrefixIndex()
+    assert [fresh.apply_payload("w", p) for p in payloads] == [0, 1, 1]
+    assert fresh.blocks("w") == index.blocks("w")
+
+
+def test_recorded_two_engines_hold_the_same_prefix(replay: Replay) -> None:
     index = PrefixIndex()
     replay(index, "a", "a")
     b_steps = RECORDED["runs"]["b"]["steps"]

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import copy
 import shutil
+import struct
 from array import array
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbus.index
-from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, _kernels
+from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, _kernels
 from kvbus.index import PrefixIndex
 
 try:
@@ -67,6 +69,94 @@ def test_token_bytes_rejects_what_array_rejects() -> None:
         with pytest.raises(OverflowError):
             _ckernels.token_bytes(bad_int)
     assert _ckernels.token_bytes(range(3)) == array("I", [0, 1, 2]).tobytes()
+
+
+# msgpack's encodings of an int, by the first byte; any of those wide enough for a value
+# is valid msgpack (msgspec reads them all), so an encoder may pick any.
+_UNSIGNED = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q"}
+_SIGNED = {0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+
+
+@st.composite
+def packed_ints(draw: st.DrawFn) -> bytes:
+    """A msgpack array of ints in any of their encodings, now and then with a value
+    past 32 bits or negative, an item that is no int, a forged count or cut bytes."""
+    values = draw(
+        st.lists(st.one_of(st.integers(-300, 70000), st.integers(-(2**63), 2**64 - 1)), max_size=12)
+    )
+    items = []
+    for value in values:
+        fits = [t for t, f in _UNSIGNED.items() if 0 <= value < 256 ** struct.calcsize(f)]
+        half = {t: 128 * 256 ** (struct.calcsize(f) - 1) for t, f in _SIGNED.items()}
+        fits += [t for t, limit in half.items() if -limit <= value < limit]
+        if 0 <= value < 128:
+            fits.append(-1)  # positive fixint
+        if -32 <= value < 0:
+            fits.append(-2)  # negative fixint
+        tag = draw(st.sampled_from(fits))
+        if tag == -1 or tag == -2:
+            items.append(struct.pack(">b", value))
+        else:
+            items.append(bytes([tag]) + struct.pack({**_UNSIGNED, **_SIGNED}[tag], value))
+    if draw(st.integers(0, 5)) == 0:  # an item that is no int
+        junk = draw(st.sampled_from([1.5, "7", None, True, [1], b"\x01", {"a": 1}]))
+        items.insert(draw(st.integers(0, len(items))), msgspec.msgpack.encode(junk))
+    count = len(items)
+    if draw(st.integers(0, 5)) == 0:
+        count = draw(st.integers(0, 2**32 - 1))  # forged
+    header = draw(st.sampled_from([b"\x90", b"\xdc", b"\xdd"]))
+    if header == b"\x90":
+        header = bytes([0x90 | (count & 0x0F)]) if count < 16 else b"\xdd" + count.to_bytes(4)
+    elif header == b"\xdc":
+        header += (count & 0xFFFF).to_bytes(2)
+    else:
+        header += count.to_bytes(4)
+    packed = header + b"".join(items)
+    cut = draw(st.integers(0, 6))
+    if cut == 1:
+        packed = packed[: draw(st.integers(0, len(packed)))]
+    elif cut == 2:
+        packed += b"\x01"  # trailing bytes
+    return packed
+
+
+def error_class(call: Any) -> tuple[str, Any]:
+    """``outcome`` with msgspec's errors as the ValueError they are."""
+    try:
+        return "ok", call()
+    except ValueError:
+        return "ValueError", None
+    except OverflowError:
+        return "OverflowError", None
+
+
+@needs_c
+@settings(max_examples=500, deadline=None)
+@given(packed_ints())
+def test_packed_token_bytes_matches_decoding_them(packed: bytes) -> None:
+    assert error_class(lambda: _ckernels.packed_token_bytes(packed)) == error_class(
+        lambda: _kernels.packed_token_bytes(packed)
+    )
+
+
+@pytest.mark.parametrize("kernels", [_ckernels, _kernels], ids=["C", "Python"])
+def test_packed_token_bytes_of_any_int_encoding_and_bad_input(kernels: Any) -> None:
+    if kernels is None:
+        pytest.skip("kvbus._ckernels did not build")
+    ids = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]
+    assert kernels.packed_token_bytes(msgspec.msgpack.encode(ids)) == array("I", ids).tobytes()
+    wide = b"\x92\xd3" + (5).to_bytes(8) + b"\xcf" + (7).to_bytes(8)  # int64 5, uint64 7
+    assert kernels.packed_token_bytes(msgspec.Raw(wide)) == array("I", [5, 7]).tobytes()
+    for past_32_bits in ([2**32], [-1], [1, -(2**40)]):
+        with pytest.raises(OverflowError):
+            kernels.packed_token_bytes(msgspec.msgpack.encode(past_32_bits))
+    for tag, fmt in _SIGNED.items():  # a negative id in each signed width
+        with pytest.raises(OverflowError):
+            kernels.packed_token_bytes(b"\x91" + bytes([tag]) + struct.pack(fmt, -100))
+    forged = b"\xdd\xff\xff\xff\xff\x01"  # 4 billion ids claimed, one sent
+    for bad in (b"", b"\x91", forged, msgspec.msgpack.encode([-1, "x"]), b"\x80"):
+        with pytest.raises(ValueError):  # not an array of ints (a ValueError wins)
+            kernels.packed_token_bytes(bad)
 
 
 @needs_c
@@ -196,3 +286,25 @@ def test_an_index_on_c_kernels_is_the_index_on_python_kernels(
         finally:
             kvbus.index.kernels = in_use
     assert states[0] == states[1]
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(event_streams(), st.integers(1, 3))
+def test_an_index_fed_payloads_is_the_index_fed_events(
+    stream: list[tuple[str, Any]], per_batch: int
+) -> None:
+    """`PrefixIndex.apply_payload` (token ids read packed, the whole batch the usual way
+    when any of its events is malformed) leaves what `apply_events` leaves."""
+    batches: list[tuple[str, list[Any]]] = []
+    for worker, event in stream:
+        if batches and batches[-1][0] == worker and len(batches[-1][1]) < per_batch:
+            batches[-1][1].append(event)
+        else:
+            batches.append((worker, [event]))
+    by_events, by_payload = PrefixIndex(B), PrefixIndex(B)
+    for worker, events in batches:
+        by_events.apply_events(worker, events)
+        payload = msgspec.msgpack.encode(KVEventBatch(1.0, events))
+        assert by_payload.apply_payload(worker, payload) == 0
+    assert index_state(by_payload) == index_state(by_events)
