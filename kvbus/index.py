@@ -237,18 +237,20 @@ class PrefixIndex:
         """Apply a batch's packed events, or (nothing applied) False where any store's
         token ids are not uint32s: all are read before the first event applies, so the
         caller can take the whole batch the usual way."""
-        try:
-            # One bytes per event (None: not a store).
+        try:  # every store's token bytes, in order
             tokens = [
-                kernels.packed_token_bytes(e.token_ids) if type(e) is PackedBlockStored else None
+                kernels.packed_token_bytes(e.token_ids)
                 for e in events
+                if type(e) is PackedBlockStored
             ]
         except (ValueError, OverflowError):  # msgspec's error when not ints
             return False
-        for event, data in zip(events, tokens, strict=True):
-            if data is not None:
-                self._stored(worker, event, data)
-            elif type(event) is BlockRemoved:
+        data = iter(tokens)
+        for event in events:
+            kind = type(event)
+            if kind is PackedBlockStored:
+                self._stored(worker, event, next(data))
+            elif kind is BlockRemoved:
                 self._removed(worker, event)
             else:
                 self.clear(worker)  # AllBlocksCleared
