@@ -192,7 +192,7 @@ class Message(msgspec.Struct, frozen=True, gc=False):
         """A KV batch nobody has decoded yet: its events with each ``BlockStored``'s
         token ids still the msgpack array sent (`kvbus.events.PackedBlockStored`), for
         a consumer that reads only blocks (`kvbus.index.PrefixIndex.apply`): no int
-        object is made per token, a third of the cost of ``body``. None where ``body``
+        object is made per token, about half the cost of ``body``. None where ``body``
         is decoded, and for anything but the current dialect's known events (then read
         ``body``). Once a consumer reads them, the subscriber decodes each batch so as
         it checks it, at no cost beyond the check."""
