@@ -354,13 +354,13 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
         index.apply_payload(*item)
 
     # name: (build, what is applied, how, prepared how off the clock, Python kernels)
-    structs, off_wire = {"stored": stored, "removed": removed}, wire
+    structs = {"stored": stored, "removed": removed}
     plain = (structs, apply_events, None, False)
     builds: dict[str, tuple[Any, Any, Any, Any, bool]] = {
         "kvbus PrefixIndex": (PrefixIndex, *plain),
-        "kvbus, decoded just before": (PrefixIndex, off_wire, apply_events, decoded, False),
-        "kvbus, bytes read just before": (PrefixIndex, off_wire, apply_payload, read, False),
-        "kvbus, decoded on the clock": (PrefixIndex, off_wire, decode_and_apply, read, False),
+        "kvbus, decoded just before": (PrefixIndex, wire, apply_events, decoded, False),
+        "kvbus, bytes read just before": (PrefixIndex, wire, apply_payload, read, False),
+        "kvbus, decoded on the clock": (PrefixIndex, wire, decode_and_apply, read, False),
         "kvbus, keys hashed before": (keys_hashed_before(PrefixIndex, stored), *plain),
     }
     if index_module.kernels is not _kernels:
