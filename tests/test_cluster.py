@@ -208,6 +208,10 @@ async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
         promoted = time.monotonic() - killed
         await asyncio.to_thread(group.primary.start)
         await engine.join()
+        # With wait=1 the appends go on only once the Sentinel has pointed a replica at
+        # the new primary and it has synced, which can outlast close()'s 10 s on a busy
+        # machine; close() would then drop what is still queued.
+        assert await publisher.aflush(60), "appends still unsent 60 s after the failover"
         await publisher.aclose()
         await asyncio.wait_for(follower.task, 60)
         late, _ = await collect(url, stream="failover")
