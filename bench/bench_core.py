@@ -4,7 +4,11 @@
    ``Publisher.publish`` (engine bytes, and the batch object the vLLM plugin hands over)
    vs vLLM's own ``ZmqEventPublisher.publish``. Calls are paced like engine steps
    (``--gap-us`` apart) so each one finds the sender idle, the case that costs a wake-up.
-2. End-to-end batches/s: kvbus Publisher -> memory:// -> ``kvbus.subscribe()`` (ordered,
+2. The engine process's whole CPU per batch at engine pacing (``--pace`` batches/s,
+   every thread: publish(), the sender thread, its event loop and wake-ups), kvbus on
+   memory:// now and at ``--against`` (a git revision) vs vLLM's ZmqEventPublisher, whose
+   own thread sends each batch as it comes.
+3. End-to-end batches/s: kvbus Publisher -> memory:// -> ``kvbus.subscribe()`` (ordered,
    deduplicated, decoded) vs vLLM's ZmqEventPublisher -> SUB socket -> msgspec decode.
 
 Run: python bench/bench_core.py [--repeats 5]   (needs vllm for the baselines)
@@ -16,6 +20,7 @@ import argparse
 import asyncio
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import time
@@ -43,11 +48,22 @@ def module_at(revision: str, path: str) -> types.ModuleType:
     return module
 
 
+VOCAB = 128_256
+"""Token ids are drawn below Llama 3's vocabulary size. Before 2026-11-23 they were
+``range(256)``: one-byte msgpack ints that Python caches, which made every decode look
+cheaper than it is on real prompts (ids mostly take 3 bytes and a fresh int each)."""
+
+
+def tokens256(i: int) -> list[int]:
+    """256 token ids of step ``i``, spread over `VOCAB` (a multiplicative hash)."""
+    return [(i * 256 + t) * 0x9E3779B1 % VOCAB for t in range(256)]
+
+
 def batch16(i: int) -> KVEventBatch:
     """One engine step storing 16 blocks of 16 tokens (vLLM's event shape)."""
     hashes: list[int | bytes] = [(i * 16 + b) * 0x9E3779B97F4A7C15 % 2**64 for b in range(16)]
     return KVEventBatch(
-        time.time(), [BlockStored(hashes, None, list(range(256)), 16, None, "GPU", None)], 0
+        time.time(), [BlockStored(hashes, None, tokens256(i), 16, None, "GPU", None)], 0
     )
 
 
@@ -59,7 +75,7 @@ def vllm_batch16(i: int) -> Any:
     stored = VStored(
         block_hashes=hashes,
         parent_block_hash=None,
-        token_ids=list(range(256)),
+        token_ids=tokens256(i),
         block_size=16,
         lora_id=None,
         medium="GPU",
@@ -98,6 +114,50 @@ def publish_cost(n: int, gap: float) -> dict[str, list[float]]:
         out["kvbus publish(KVEventBatch)"] = time_calls(pub.publish, structs, gap)
     vllm_pub = ZmqEventPublisher(0, endpoint=f"inproc://bench-{time.monotonic_ns()}")
     out["vLLM ZmqEventPublisher.publish"] = time_calls(vllm_pub.publish, vllm_batches, gap)
+    vllm_pub.shutdown()
+    return out
+
+
+def process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def paced_cpu(publish: Any, items: list[Any], rate: float, flush: Any = None) -> float:
+    """Microseconds of this process's CPU per ``publish(item)`` called ``rate`` times a
+    second (sleeping in between, as an engine between steps), minus what the same
+    pacing costs with no publisher."""
+
+    def run(call: Any) -> float:
+        began, cpu = time.perf_counter(), process_cpu()
+        for i, item in enumerate(items):
+            call(item)
+            ahead = began + (i + 1) / rate - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
+        if flush is not None:
+            flush()
+        return (process_cpu() - cpu) / len(items) * 1e6
+
+    return run(publish) - run(lambda _: None)
+
+
+def paced_publishing_cpu(n: int, rate: float, against: str) -> dict[str, float]:
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    payloads = [encode(batch16(i)) for i in range(n)]
+    url = f"memory://bench-paced-{time.monotonic_ns()}"
+    out: dict[str, float] = {}
+    with kvbus.Publisher(url, source="paced") as pub:
+        out["kvbus Publisher, memory://"] = paced_cpu(pub.publish, payloads, rate, pub.flush)
+    if against:
+        before = module_at(against, "kvbus/publisher.py").Publisher
+        with before(url, source="paced-before") as pub:
+            name = f"kvbus Publisher at {against}, memory://"
+            out[name] = paced_cpu(pub.publish, payloads, rate, pub.flush)
+    vllm_pub = ZmqEventPublisher(0, endpoint=f"inproc://bench-paced-{time.monotonic_ns()}")
+    batches = [vllm_batch16(i) for i in range(n)]
+    out["vLLM ZmqEventPublisher (baseline)"] = paced_cpu(vllm_pub.publish, batches, rate)
     vllm_pub.shutdown()
     return out
 
@@ -152,6 +212,9 @@ def main() -> None:
     parser.add_argument("--gap-us", type=float, default=200.0)
     parser.add_argument("--batches", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pace", type=float, default=200.0, help="batches/s, paced CPU")
+    parser.add_argument("--paced", type=int, default=1000, help="batches per paced run")
+    parser.add_argument("--against", default="", help="git revision for a 'before' row")
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}"
@@ -173,6 +236,20 @@ def main() -> None:
     for name in medians:
         m = statistics.median(medians[name])
         print(f"{name:34} {m:10.2f} {statistics.median(p99s[name]):8.2f} {m / base:7.2f}x")
+
+    paced: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name, cost in paced_publishing_cpu(args.paced, args.pace, args.against).items():
+            paced.setdefault(name, []).append(cost)
+    base = statistics.median(paced["vLLM ZmqEventPublisher (baseline)"])
+    print(
+        f"\nthe engine process's CPU per 16-block batch, {args.paced} batches at "
+        f"{args.pace:.0f}/s, every thread, median of {args.repeats} runs"
+    )
+    print(f"{'publisher':46} {'CPU us/batch':>12} {'vs vLLM':>8}")
+    for name, costs in paced.items():
+        m = statistics.median(costs)
+        print(f"{name:46} {m:12.1f} {m / base:7.2f}x")
 
     kv_rates = [asyncio.run(kvbus_end_to_end(args.batches)) for _ in range(args.repeats)]
     vllm_rates = [vllm_end_to_end(args.batches) for _ in range(args.repeats)]

@@ -12,12 +12,15 @@ which seqs will never arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import itertools
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Final
 
@@ -27,7 +30,7 @@ from kvbus import __version__, metrics
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
-from kvbus.retry import retry_forever
+from kvbus.retry import log_failure, retry_forever
 from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
 from kvbus.transports.packing import DEFAULT_RECORDS
 
@@ -40,6 +43,56 @@ _STRUCT_BYTES: Final = 256  # what a queued Struct payload is counted as (encode
 # (seq, kind, payload, ts) as queued by publish(); a Struct payload is encoded by the
 # sender thread so that the engine thread pays nothing for it.
 _Queued = tuple[int, int, "bytes | msgspec.Struct", float]
+
+
+def _write_keeping_gil_fallback(fd: int, data: bytes, size: int) -> int:
+    try:
+        return os.write(fd, data[:size])
+    except OSError:  # full: a wake-up is pending anyway
+        return -1
+
+
+def _libc_write() -> Any:
+    """libc's ``write`` called without releasing the GIL (a ctypes.PyDLL function), or
+    `os.write` where there is no libc to load."""
+    try:
+        write = ctypes.PyDLL(None).write
+    except (OSError, AttributeError):
+        return _write_keeping_gil_fallback
+    write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    write.restype = ctypes.c_ssize_t
+    return write
+
+
+_write_keeping_gil: Final = _libc_write()
+"""``(fd, data, size)``: a non-blocking write of a wake-up byte that keeps the GIL: the
+engine's thread goes on with its step at once, where a write that releases the GIL could
+wait for the sender thread to run first. Measured with ``bench/bench_core.py``: the
+wake-up this way costs the process a small part of what relaying it through a thread
+did (`BENCHMARKS.md`)."""
+
+
+def _wake_pipe(loop: asyncio.AbstractEventLoop, wakeup: asyncio.Event) -> tuple[int, int]:
+    """A non-blocking pipe whose read end sets ``wakeup`` in ``loop`` (not running yet);
+    returns (write end, read end)."""
+    read_fd, write_fd = os.pipe()
+    for fd in (read_fd, write_fd):
+        os.set_blocking(fd, False)
+
+    def woken() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(read_fd, 4096):
+                pass
+        wakeup.set()
+
+    loop.add_reader(read_fd, woken)
+    return write_fd, read_fd
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class PublisherStats(msgspec.Struct):
@@ -107,23 +160,22 @@ class Publisher:
         self._queue: deque[_Queued] = deque()
         self._closed = False
         # The sender sets _idle before sleeping; publish() wakes it only then, so a busy
-        # sender costs publish() nothing beyond a deque append. The wake-up is a
-        # threading.Event, relayed into the event loop by a waker thread: setting it never
-        # releases the GIL inside publish(), where loop.call_soon_threadsafe's socket
-        # write would hand the GIL to the sender in the middle of the engine's step.
+        # sender costs publish() nothing beyond a deque append. The wake-up is one byte
+        # written to a pipe the sender's loop watches, by a write that keeps the GIL
+        # (`_write_keeping_gil`): loop.call_soon_threadsafe's socket write would hand the
+        # GIL to the sender in the middle of the engine's step.
         self._idle = False
-        self._wake = threading.Event()
         self._transport = transport or open_transport(self.url)
         self._loop = asyncio.new_event_loop()
         self._wakeup = asyncio.Event()
+        self._wake_fd, wake_fd = _wake_pipe(self._loop, self._wakeup)
+        weakref.finalize(self, _close_fds, self._wake_fd, wake_fd)
         self._settled = 0  # accepted messages the sender has sent or dropped
         self._last_dropped = 0  # newest dropped seq
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"kvbus-publisher-{self.stream}", daemon=True
         )
         self._thread.start()
-        self._waker = threading.Thread(target=self._relay_wakeups, name="kvbus-waker", daemon=True)
-        self._waker.start()
         self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._loop)
         metrics.track_publisher(self)
         self.publish(
@@ -173,17 +225,7 @@ class Publisher:
 
     def _wake_sender(self) -> None:
         self._idle = False
-        self._wake.set()
-
-    def _relay_wakeups(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._loop.is_closed():
-                return
-            self._loop.call_soon_threadsafe(self._wakeup.set)
-            if self._closed and self._sender.done():
-                return
+        _write_keeping_gil(self._wake_fd, b"\0", 1)
 
     # --- sender thread ---------------------------------------------------------------
 
@@ -256,30 +298,42 @@ class Publisher:
         return batch
 
     async def _append(self, records: list[Record]) -> None:
-        failures = 0
-
-        def count() -> None:
-            nonlocal failures
-            failures += 1
-            self.stats.send_errors += 1
-
         started = time.perf_counter()
-
-        retrying = retry_forever(f"append to {redact_url(self.url)}", count, log, self.url)
-        async for attempt in retrying:
-            with attempt:
-                while records:
-                    try:
-                        await self._transport.append(self.stream, records)
-                        break
-                    except RecordTooLarge as error:  # nothing of this call was stored
-                        records = [r for r in records if r.msg_id != error.msg_id]
-                        self._drop_taken(int(error.msg_id.rpartition(":")[2]), str(error))
+        try:  # the usual case, without tenacity's per-call set-up (tens of µs a step)
+            records = await self._append_all(records)
+        except Exception as error:
+            records = await self._append_retrying(records, error)
         self.append_latency.observe(time.perf_counter() - started)
-        if failures:
-            self.stats.reconnects += 1
         self.stats.sent += len(records)
         self._settled += len(records)
+
+    async def _append_retrying(self, records: list[Record], error: Exception) -> list[Record]:
+        """After the first attempt failed with ``error``: retry until the transport
+        takes ``records`` (what of them it can), the first retry at once."""
+
+        def count() -> None:
+            self.stats.send_errors += 1
+
+        what = f"append to {redact_url(self.url)}"
+        count()
+        log_failure(log, what, error, self.url)
+        async for attempt in retry_forever(what, count, log, self.url):
+            with attempt:
+                records = await self._append_all(records)
+        self.stats.reconnects += 1
+        return records
+
+    async def _append_all(self, records: list[Record]) -> list[Record]:
+        """Append ``records``, dropping (and announcing) any the transport refuses as too
+        large; returns those appended."""
+        while records:
+            try:
+                await self._transport.append(self.stream, records)
+                break
+            except RecordTooLarge as error:  # nothing of this call was stored
+                records = [r for r in records if r.msg_id != error.msg_id]
+                self._drop_taken(int(error.msg_id.rpartition(":")[2]), str(error))
+        return records
 
     @property
     def queue_messages(self) -> int:
@@ -314,7 +368,7 @@ class Publisher:
             return
         self.publish(SourceStopped(dropped=self.stats.dropped), Kind.CONTROL)
         self._closed = True
-        self._wake.set()
+        _write_keeping_gil(self._wake_fd, b"\0", 1)
         try:
             self._sender.result(timeout)
         except TimeoutError:
@@ -329,10 +383,8 @@ class Publisher:
             log.exception("kvbus: closing transport %s failed", redact_url(self.url))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
-        self._wake.set()  # lets the waker thread see the end
-        self._waker.join(timeout)
         if not self._thread.is_alive():
-            self._loop.close()
+            self._loop.close()  # the pipe is closed with the Publisher: see __init__
 
     async def aclose(self, timeout: float = 10.0) -> None:
         await asyncio.to_thread(self.close, timeout)

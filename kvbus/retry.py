@@ -22,11 +22,15 @@ def retry_forever(
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
         on_failure()
-        error = state.outcome.exception() if state.outcome else None
-        logger.warning("kvbus: %s failed (%s); retrying", what, redact_text(repr(error), [url]))
+        log_failure(logger, what, state.outcome.exception() if state.outcome else None, url)
 
     return tenacity.AsyncRetrying(
         wait=tenacity.wait_random_exponential(multiplier=0.02, max=0.5),
         retry=tenacity.retry_if_exception_type(Exception),
         before_sleep=before_sleep,
     )
+
+
+def log_failure(logger: logging.Logger, what: str, error: BaseException | None, url: str) -> None:
+    """The warning `retry_forever` logs for each failed attempt."""
+    logger.warning("kvbus: %s failed (%s); retrying", what, redact_text(repr(error), [url]))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from kvbus.transports import Record
@@ -101,6 +103,28 @@ def test_close_flushes_and_publish_after_close_is_dropped(memory_url: str) -> No
     assert publisher.publish(kv_payload(0)) is False
     assert publisher.stats.dropped == 1
     publisher.close()  # idempotent
+
+
+def test_an_idle_sender_is_woken_and_a_closed_publisher_leaves_nothing_open(
+    memory_url: str,
+) -> None:
+    """Messages published with the sender idle in between (each one a wake-up) are all
+    sent; a closed Publisher leaves no thread or file descriptor behind."""
+    fds = Path("/proc/self/fd")
+    gc.collect()
+    fds_before, threads_before = len(list(fds.iterdir())), threading.active_count()
+    for round in range(20):
+        publisher = kvbus.Publisher(memory_url, source=f"engine{round}")
+        for i in range(5):
+            publisher.publish(kv_payload(i))
+            time.sleep(0.002)
+        assert publisher.flush(5), publisher.stats
+        publisher.close()
+        assert publisher.stats.sent == 7 and publisher.stats.dropped == 0
+        del publisher
+    gc.collect()
+    assert threading.active_count() == threads_before
+    assert len(list(fds.iterdir())) == fds_before
 
 
 def test_close_gives_up_on_a_dead_backend(memory_url: str) -> None:
