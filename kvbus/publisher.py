@@ -45,20 +45,13 @@ _STRUCT_BYTES: Final = 256  # what a queued Struct payload is counted as (encode
 _Queued = tuple[int, int, "bytes | msgspec.Struct", float]
 
 
-def _write_keeping_gil_fallback(fd: int, data: bytes, size: int) -> int:
-    try:
-        return os.write(fd, data[:size])
-    except OSError:  # full: a wake-up is pending anyway
-        return -1
-
-
 def _libc_write() -> Any:
     """libc's ``write`` called without releasing the GIL (a ctypes.PyDLL function), or
-    `os.write` where there is no libc to load."""
+    None where there is no libc to load (Windows)."""
     try:
         write = ctypes.PyDLL(None).write
-    except (OSError, AttributeError):
-        return _write_keeping_gil_fallback
+    except (OSError, AttributeError, TypeError):
+        return None
     write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
     write.restype = ctypes.c_ssize_t
     return write
@@ -72,21 +65,28 @@ wake-up this way costs the process a small part of what relaying it through a th
 did (`BENCHMARKS.md`)."""
 
 
-def _wake_pipe(loop: asyncio.AbstractEventLoop, wakeup: asyncio.Event) -> tuple[int, int]:
+def _wake_pipe(loop: asyncio.AbstractEventLoop, wakeup: asyncio.Event) -> tuple[int, int] | None:
     """A non-blocking pipe whose read end sets ``wakeup`` in ``loop`` (not running yet);
-    returns (write end, read end)."""
+    returns (write end, read end), or None where the GIL-keeping write or the loop's
+    ``add_reader`` is missing (Windows)."""
+    if _write_keeping_gil is None:
+        return None
     read_fd, write_fd = os.pipe()
     for fd in (read_fd, write_fd):
         os.set_blocking(fd, False)
-
-    def woken() -> None:
-        with contextlib.suppress(OSError):
-            while os.read(read_fd, 4096):
-                pass
-        wakeup.set()
-
-    loop.add_reader(read_fd, woken)
+    try:
+        loop.add_reader(read_fd, lambda: _drain(read_fd, wakeup))
+    except NotImplementedError:
+        _close_fds(read_fd, write_fd)
+        return None
     return write_fd, read_fd
+
+
+def _drain(read_fd: int, wakeup: asyncio.Event) -> None:
+    with contextlib.suppress(OSError):
+        while os.read(read_fd, 4096):
+            pass
+    wakeup.set()
 
 
 def _close_fds(*fds: int) -> None:
@@ -168,8 +168,12 @@ class Publisher:
         self._transport = transport or open_transport(self.url)
         self._loop = asyncio.new_event_loop()
         self._wakeup = asyncio.Event()
-        self._wake_fd, wake_fd = _wake_pipe(self._loop, self._wakeup)
-        weakref.finalize(self, _close_fds, self._wake_fd, wake_fd)
+        pipe = _wake_pipe(self._loop, self._wakeup)
+        self._wake_fd = -1 if pipe is None else pipe[0]
+        if pipe is not None:
+            # Closed once nothing can write to it; not at exit, where a Publisher never
+            # closed may still be in use (the process's exit closes them).
+            weakref.finalize(self, _close_fds, *pipe).atexit = False
         self._settled = 0  # accepted messages the sender has sent or dropped
         self._last_dropped = 0  # newest dropped seq
         self._thread = threading.Thread(
@@ -225,7 +229,10 @@ class Publisher:
 
     def _wake_sender(self) -> None:
         self._idle = False
-        _write_keeping_gil(self._wake_fd, b"\0", 1)
+        if self._wake_fd >= 0:
+            _write_keeping_gil(self._wake_fd, b"\0", 1)
+        else:  # releases the GIL: see __init__
+            self._loop.call_soon_threadsafe(self._wakeup.set)
 
     # --- sender thread ---------------------------------------------------------------
 
@@ -243,7 +250,8 @@ class Publisher:
                 if self._closed:
                     return
                 self._idle = True
-                if self._queue:  # published between _take_batch and _idle = True
+                # published, or a loss announced, between _take_batch and _idle = True
+                if self._queue or self._last_dropped > last_sent:
                     self._idle = False
                     continue
                 await self._wakeup.wait()
@@ -300,14 +308,14 @@ class Publisher:
     async def _append(self, records: list[Record]) -> None:
         started = time.perf_counter()
         try:  # the usual case, without tenacity's per-call set-up (tens of µs a step)
-            records = await self._append_all(records)
+            await self._append_all(records)
         except Exception as error:
-            records = await self._append_retrying(records, error)
+            await self._append_retrying(records, error)
         self.append_latency.observe(time.perf_counter() - started)
         self.stats.sent += len(records)
         self._settled += len(records)
 
-    async def _append_retrying(self, records: list[Record], error: Exception) -> list[Record]:
+    async def _append_retrying(self, records: list[Record], error: Exception) -> None:
         """After the first attempt failed with ``error``: retry until the transport
         takes ``records`` (what of them it can), the first retry at once."""
 
@@ -319,21 +327,20 @@ class Publisher:
         log_failure(log, what, error, self.url)
         async for attempt in retry_forever(what, count, log, self.url):
             with attempt:
-                records = await self._append_all(records)
+                await self._append_all(records)
         self.stats.reconnects += 1
-        return records
 
-    async def _append_all(self, records: list[Record]) -> list[Record]:
+    async def _append_all(self, records: list[Record]) -> None:
         """Append ``records``, dropping (and announcing) any the transport refuses as too
-        large; returns those appended."""
+        large: they are removed from ``records`` itself, so that a retry after a later
+        failure neither sends nor drops them again."""
         while records:
             try:
                 await self._transport.append(self.stream, records)
                 break
             except RecordTooLarge as error:  # nothing of this call was stored
-                records = [r for r in records if r.msg_id != error.msg_id]
+                records[:] = [r for r in records if r.msg_id != error.msg_id]
                 self._drop_taken(int(error.msg_id.rpartition(":")[2]), str(error))
-        return records
 
     @property
     def queue_messages(self) -> int:
@@ -368,7 +375,7 @@ class Publisher:
             return
         self.publish(SourceStopped(dropped=self.stats.dropped), Kind.CONTROL)
         self._closed = True
-        _write_keeping_gil(self._wake_fd, b"\0", 1)
+        self._wake_sender()
         try:
             self._sender.result(timeout)
         except TimeoutError:
