@@ -125,29 +125,33 @@ async def transport_read(url: str, stream: str, expected: int) -> Rate:
     return rate
 
 
-async def consume(sub: kvbus.Subscription, expected: int, read_body: bool) -> int:
+async def consume(sub: kvbus.Subscription, expected: int, read: str) -> int:
+    """Take ``expected`` messages, reading each one's ``read``: "" (nothing), "body"
+    (decoded events, as most consumers), "packed" (``packed_events``, as the prefix index)."""
     count = events = 0
     async for item in sub:
         if isinstance(item, kvbus.Message):
             count += 1
-            if read_body:
+            if read == "body":
                 events += len(item.body.events)  # type: ignore[union-attr]
+            elif read == "packed":
+                events += len(item.packed_events or ())
             if count == expected:
                 break
     assert count == expected, count
-    assert not read_body or events == expected, events
+    assert not read or events == expected, events
     assert sub.stats.resyncs == 0, sub.stats
     return count
 
 
-async def subscribe_replay(url: str, stream: str, expected: int, read_body: bool) -> Rate:
+async def subscribe_replay(url: str, stream: str, expected: int, read: str) -> Rate:
     watch = Stopwatch()
     async with kvbus.subscribe(stream, url, follow=False) as sub:
-        await consume(sub, expected, read_body)
+        await consume(sub, expected, read)
     return watch.rate(expected)
 
 
-async def subscribe_live(url: str, records: list[Record], read_body: bool) -> Rate:
+async def subscribe_live(url: str, records: list[Record], read: str) -> Rate:
     """From the first append until the subscriber following the live tail has every
     message: appends of 512 envelopes interleaved with the subscriber in one loop."""
     stream = f"live{time.monotonic_ns()}"
@@ -164,7 +168,7 @@ async def subscribe_live(url: str, records: list[Record], read_body: bool) -> Ra
 
         watch = Stopwatch()
         producer = asyncio.create_task(produce())
-        await consume(sub, len(records) - 1, read_body)
+        await consume(sub, len(records) - 1, read)
         rate = watch.rate(len(records) - 1)
         await producer
     await transport.aclose()
@@ -192,17 +196,18 @@ def kvbus_rows(rows: dict[str, list[Rate]], url: str, records: list[Record], nam
         f"kvbus {name} Transport.read() (not decoded)",
         lambda: asyncio.run(transport_read(url, stream, n)),
     )
-    for read_body, suffix in ((False, ""), (True, " + item.body")):
+    reads = (("", ""), ("body", " + item.body"), ("packed", " + item.packed_events"))
+    for read, suffix in reads:
         repeat(
             rows,
             f"kvbus {name} subscribe(follow=False){suffix}",
-            lambda r=read_body: asyncio.run(subscribe_replay(url, stream, n, r)),
+            lambda r=read: asyncio.run(subscribe_replay(url, stream, n, r)),
         )
-    for read_body, suffix in ((False, ""), (True, " + item.body")):
+    for read, suffix in reads:
         repeat(
             rows,
             f"kvbus {name} subscribe() live{suffix}",
-            lambda r=read_body: asyncio.run(subscribe_live(url, records, r)),
+            lambda r=read: asyncio.run(subscribe_live(url, records, r)),
         )
 
 
