@@ -112,18 +112,19 @@ def test_an_idle_sender_is_woken_and_a_closed_publisher_leaves_nothing_open(
     """Messages published with the sender idle in between (each one a wake-up) are all
     sent; a closed Publisher leaves no thread or file descriptor behind."""
 
-    def pipes() -> int:
-        links = []
+    def pipes() -> set[str]:
+        """This process's open pipe ends (``pipe:[inode]``, read end and write end apart
+        by their fd)."""
+        found = set()
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):  # the listing's own fd, gone by now
-                links.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return sum(link.startswith("pipe:") for link in links)
-
-    def senders() -> int:
-        return sum(t.name.startswith("kvbus-") for t in threading.enumerate())
+                link = os.readlink(f"/proc/self/fd/{fd}")
+                if link.startswith("pipe:"):
+                    found.add(f"{fd} {link}")
+        return found
 
     gc.collect()
-    pipes_before, senders_before = pipes(), senders()
+    pipes_before, threads_before = pipes(), set(threading.enumerate())
     for round in range(20):
         publisher = kvbus.Publisher(memory_url, source=f"engine{round}")
         for i in range(5):
@@ -134,8 +135,8 @@ def test_an_idle_sender_is_woken_and_a_closed_publisher_leaves_nothing_open(
         assert publisher.stats.sent == 7 and publisher.stats.dropped == 0
         del publisher
     gc.collect()
-    assert senders() == senders_before
-    assert pipes() == pipes_before
+    assert not [t.name for t in set(threading.enumerate()) - threads_before]
+    assert not pipes() - pipes_before
 
 
 class RefusingTransport(MemoryTransport):
