@@ -14,7 +14,9 @@ Rows, taking turns within each repeat (the same noise for each):
 * index from body: ``PrefixIndex.apply_events(item.source, item.body.events)``, each
   batch decoded into structs, an int per token (a router's way in before);
 * index packed: ``PrefixIndex.apply(item)``, which reads ``item.packed_events``;
-* router: ``Router.apply_kv(item)``, as ``kvbus router`` follows the kv stream.
+* router: ``Router.apply_kv(item)``, as ``kvbus router`` follows the kv stream;
+* top: ``kvbus top``'s ``Fleet.apply_kv(item)`` (blocks counted per medium), from each
+  body decoded (as before 2026-11-23) and from the batch packed (``Message.packed``).
 
 Run: python bench/bench_index_feed.py [--workers 200] [--repeats 5]
 """
@@ -51,6 +53,7 @@ from kvbus.events import BlockStored, KVEventBatch
 from kvbus.index import PrefixIndex
 from kvbus.router import Router
 from kvbus.subscribe import Message
+from kvbus.top import Fleet
 
 
 def publish(url: str, args: argparse.Namespace) -> int:
@@ -98,11 +101,26 @@ def feeds() -> dict[str, Callable[[], Callable[[Any], None]]]:
     def router() -> Callable[[Any], None]:
         return Router(block_size=BLOCK).apply_kv
 
+    def top_from_body() -> Callable[[Any], None]:
+        fleet = Fleet()
+
+        def apply(item: Any) -> None:
+            if isinstance(item, Message):
+                item.body  # noqa: B018 - decoded first, as kvbus top did before
+            fleet.apply_kv(item)
+
+        return apply
+
+    def top() -> Callable[[Any], None]:
+        return Fleet().apply_kv
+
     return {
         "bus only": bus_only,
         "index from body (before)": from_body,
         "index packed": packed,
         "router.apply_kv": router,
+        "top from body (before)": top_from_body,
+        "top packed": top,
     }
 
 
@@ -155,6 +173,11 @@ def main() -> None:
         f"\nindex packed / from body: {after[0] / before[0]:.2f}x batches/s; CPU the index "
         f"adds to the bus per batch: {before[1] - floor:.1f} -> {after[1] - floor:.1f} µs "
         f"({(before[1] - floor) / (after[1] - floor):.2f}x less)"
+    )
+    before, after = medians["top from body (before)"], medians["top packed"]
+    print(
+        f"top packed / from body: {after[0] / before[0]:.2f}x batches/s; CPU per batch "
+        f"{before[1]:.1f} -> {after[1]:.1f} µs"
     )
 
 

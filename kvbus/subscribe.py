@@ -188,14 +188,15 @@ class Message(msgspec.Struct, frozen=True, gc=False):
         return not isinstance(self._body, _UndecodedBatch)
 
     @property
-    def packed_events(self) -> list[Any] | None:
-        """A KV batch nobody has decoded yet: its events with each ``BlockStored``'s
-        token ids still the msgpack array sent (`kvbus.events.PackedBlockStored`), for
-        a consumer that reads only blocks (`kvbus.index.PrefixIndex.apply`): no int
-        object is made per token, about half the cost of ``body``. None where ``body``
-        is decoded, and for anything but the current dialect's known events (then read
-        ``body``). Once a consumer reads them, the subscriber decodes each batch so as
-        it checks it, at no cost beyond the check."""
+    def packed(self) -> Any:
+        """A KV batch nobody has decoded yet, with each ``BlockStored``'s token ids still
+        the msgpack array sent (`kvbus.events.PackedBlockStored`): ``.ts``, ``.events``
+        and ``.data_parallel_rank`` as in ``body``, for a consumer that reads blocks but
+        not tokens (`kvbus.index.PrefixIndex.apply`, ``kvbus top``): no int object is
+        made per token, about half the cost of ``body``. None where ``body`` is decoded,
+        and for anything but the current dialect's known events (then read ``body``).
+        Once a consumer reads it, the subscriber decodes each batch so as it checks it,
+        at no cost beyond the check."""
         body, packed = self._body, self._packed
         if not isinstance(body, _UndecodedBatch) or packed is False:
             return None
@@ -203,10 +204,13 @@ class Message(msgspec.Struct, frozen=True, gc=False):
             body.packed_read += 1
             packed = decode_packed_kv_batch(self.payload)
             msgspec.structs.force_setattr(self, "_packed", False if packed is None else packed)
-            if packed is None:
-                return None
-        events: list[Any] = packed.events
-        return events
+        return packed
+
+    @property
+    def packed_events(self) -> list[Any] | None:
+        """``packed.events`` (see `packed`), or None where ``packed`` is."""
+        packed = self.packed
+        return None if packed is None else packed.events
 
     @property
     def body(self) -> Body:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from kvbus.config import redact_url, resolve_stream, resolve_url
+from kvbus.envelope import Kind
 from kvbus.events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -37,8 +38,8 @@ from kvbus.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVEventBatch,
     LoadMetrics,
+    PackedBlockStored,
     SourceStarted,
     SourceStopped,
 )
@@ -281,19 +282,26 @@ class Fleet:
             else:
                 worker.exact = False
             return
-        worker.stopped["kv"] = isinstance(item.body, SourceStopped)
-        body = item.body
-        if isinstance(body, SourceStarted):
-            worker.reset_blocks()
-        elif isinstance(body, KVEventBatch):
-            worker.batch_ts = _finite(body.ts) or worker.batch_ts
-            for event in body.events:
-                if isinstance(event, BlockStored):
+        if item.kind == Kind.KV:
+            worker.stopped["kv"] = False
+            # Top counts blocks and never reads tokens: the batch packed, where it can be,
+            # makes no int object per token id.
+            batch: Any = item.packed
+            if batch is None:
+                batch = item.body
+            worker.batch_ts = _finite(batch.ts) or worker.batch_ts
+            for event in batch.events:
+                if isinstance(event, BlockStored | PackedBlockStored):
                     worker.count(event.medium, len(event.block_hashes))
                 elif isinstance(event, BlockRemoved):
                     worker.count(event.medium, -len(event.block_hashes))
                 elif isinstance(event, AllBlocksCleared):
                     worker.reset_blocks()
+            return
+        body = item.body
+        worker.stopped["kv"] = isinstance(body, SourceStopped)
+        if isinstance(body, SourceStarted):
+            worker.reset_blocks()
 
     def apply_metrics(self, item: Item) -> None:
         worker = self._worker(item.source)

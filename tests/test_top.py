@@ -242,6 +242,27 @@ def test_losses_make_blocks_inexact_until_the_cache_is_known_again() -> None:
     assert (row.blocks, row.blocks_exact, row.resyncs) == ({}, True, 2)
 
 
+async def test_blocks_are_counted_from_batches_left_packed(memory_url: str) -> None:
+    """From a real subscription: batches of the current dialect are counted without
+    decoding their bodies (no int per token id); vLLM's older array dialect is decoded
+    and counted the same; the engine's batch timestamp is the event lag's."""
+    older = ["BlockStored", [8, 9], None, list(range(32)), 16, None, "CPU", None]
+    with kvbus.Publisher(memory_url, source=A) as publisher:
+        publisher.publish(batch(stored([1, 2, 3, 4])))
+        publisher.publish(batch(stored([1, 2], "CPU", block_size=0), BlockRemoved([4], "GPU")))
+        publisher.publish(msgspec.msgpack.encode([123.0, [older], None]))
+    fleet, delivered = Fleet(), []
+    async with kvbus.subscribe("kv", memory_url, follow=False) as items:
+        async for item in items:
+            fleet.apply_kv(item)
+            if isinstance(item, Message) and item.kind == Kind.KV:
+                delivered.append(item)
+    assert [item.decoded for item in delivered] == [False, False, True]
+    view = views(fleet, now=124.0)[A]
+    assert view.blocks == {"GPU": 3, "CPU": 4} and view.blocks_exact
+    assert view.event_lag_s == pytest.approx(1.0)
+
+
 def test_hit_rate_covers_the_window_only() -> None:
     fleet = Fleet(window=60)
     now = time.time()
