@@ -140,8 +140,8 @@ class _UndecodedBatch:
         self.read = 0
         """Bodies decoded because a consumer read them."""
         self.packed_read = 0
-        """Batches a consumer read packed (`Message.packed_events`) that the subscriber
-        had not decoded packed: from then on its check decodes them so."""
+        """Batches a consumer read packed (`Message.packed`) that the subscriber had not
+        decoded packed: from then on its check decodes them so."""
 
     def decode(self, source: str, epoch: int, seq: int, payload: bytes) -> KVEventBatch:
         """The batch in ``payload`` (raises ``msgspec.DecodeError`` unless checked)."""
@@ -177,14 +177,12 @@ class Message(msgspec.Struct, frozen=True, gc=False):
     position: int | str
     """Where the transport stored it."""
     _packed: Any = None
-    """A KV batch's `packed_events` decoded by the subscriber (None: not yet; False:
-    not possible)."""
+    """A KV batch's `packed` batch, once decoded (None: not yet; False: not possible)."""
 
     @property
     def decoded(self) -> bool:
         """Whether ``body`` is decoded yet. A KV batch is decoded when first read; a
-        consumer with a quicker reader of its own (`kvbus.index.PrefixIndex.apply`)
-        reads ``payload`` instead while nobody has."""
+        consumer that needs no token ids reads `packed` instead while nobody has."""
         return not isinstance(self._body, _UndecodedBatch)
 
     @property
