@@ -1,12 +1,15 @@
-/* kvbus._ckernels: PrefixIndex's per-block loops in C, on the index's own Python dicts.
+/* kvbus._ckernels: the per-item loops of PrefixIndex and of the subscriber's check, in C.
  *
- * The same five functions as kvbus/_kernels.py (the reference, and the fallback where
- * this does not build), with the same results: the index's state stays Python dicts
- * and ints, so queries, introspection and the pure-Python index read it unchanged.
- * tests/test_index_kernels.py checks the two against each other.
+ * The same functions as kvbus/_kernels.py (the reference, and the fallback where this
+ * does not build). The index's have the same results on the index's own Python dicts
+ * and ints, so queries, introspection and the pure-Python index read them unchanged;
+ * tests/test_index_kernels.py checks the two against each other. What moves here is
+ * only what runs once per block (a bytes conversion, a chained hash, three dict
+ * updates); everything decided once per event stays in Python.
  *
- * What moves here is only what runs once per block (a bytes conversion, a chained
- * hash, three dict updates); everything decided once per event stays in Python.
+ * plain_kv_envelopes vouches for KV batches so that the subscriber need not have
+ * msgspec walk each one: it never vouches for what msgspec would refuse
+ * (tests/test_kv_check_kernel.py), and leaves to msgspec whatever it is unsure of.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -202,6 +205,305 @@ malformed:
     PyErr_SetString(PyExc_ValueError, "token ids: not a msgpack array of ints");
 done:
     PyBuffer_Release(&view);
+    return out;
+}
+
+/* Per msgpack tag: the bytes of a scalar whose size the tag alone gives, tag included
+ * (nil, booleans, ints, floats); 0 for anything else. */
+static unsigned char SCALAR_BYTES[256];
+
+static void
+fill_scalar_table(void)
+{
+    for (int tag = 0; tag <= 0x7f; tag++) /* positive fixint */
+        SCALAR_BYTES[tag] = 1;
+    for (int tag = 0xe0; tag <= 0xff; tag++) /* negative fixint */
+        SCALAR_BYTES[tag] = 1;
+    SCALAR_BYTES[0xc0] = SCALAR_BYTES[0xc2] = SCALAR_BYTES[0xc3] = 1; /* nil, false, true */
+    SCALAR_BYTES[0xca] = 5; /* float32 */
+    SCALAR_BYTES[0xcb] = 9; /* float64 */
+    for (int tag = 0xcc; tag <= 0xd3; tag++) /* uint8..uint64, int8..int64 */
+        SCALAR_BYTES[tag] = (unsigned char)(1 + (1 << ((tag - 0xcc) & 3)));
+}
+
+#define PLAIN_MAX_DEPTH 32 /* nesting inside one event; vLLM's events nest 2 deep */
+
+/* A walk over msgpack values that are plain: scalars, str, bin, and arrays and maps of
+ * them nested at most PLAIN_MAX_DEPTH. Anything else (ext types, the reserved tag,
+ * truncated data, deeper nesting) is not plain. Every value takes at least one byte, so
+ * a forged count or length fails against ``end`` before it costs anything: a walk is
+ * O(end - at), with no recursion. */
+typedef struct {
+    const unsigned char *at, *end;
+    uint64_t left[PLAIN_MAX_DEPTH + 1]; /* values still to skip at each open level */
+    int depth;
+} Walk;
+
+static inline void
+walk_start(Walk *walk, const unsigned char *at, const unsigned char *end, uint64_t count)
+{
+    walk->at = at;
+    walk->end = end;
+    walk->left[0] = count;
+    walk->depth = 0;
+}
+
+/* Past one more value: 1 while values are left, 0 when the walk is done, -1 where a
+ * value is not plain. */
+static inline int
+walk_step(Walk *walk)
+{
+    while (walk->left[walk->depth] == 0) {
+        if (walk->depth == 0)
+            return 0;
+        walk->depth--;
+    }
+    walk->left[walk->depth]--;
+    const unsigned char *at = walk->at, *end = walk->end;
+    if (at >= end)
+        return -1;
+    unsigned char tag = *at;
+    if (SCALAR_BYTES[tag]) { /* the token ids: most of what there is */
+        if (end - at < SCALAR_BYTES[tag])
+            return -1;
+        walk->at = at + SCALAR_BYTES[tag];
+        return 1;
+    }
+    at++;
+    uint64_t length, items;
+    if (tag >= 0xa0 && tag <= 0xbf) { /* fixstr */
+        length = tag & 0x1f;
+    }
+    else if (tag == 0xc4 || tag == 0xd9 || tag == 0xc5 || tag == 0xda || tag == 0xc6 ||
+             tag == 0xdb) { /* bin or str, with a 1, 2 or 4-byte length */
+        int size = (tag == 0xc4 || tag == 0xd9) ? 1 : (tag == 0xc5 || tag == 0xda) ? 2 : 4;
+        if (end - at < size)
+            return -1;
+        length = read_be(at, size);
+        at += size;
+    }
+    else {
+        if (tag >= 0x90 && tag <= 0x9f) /* fixarray */
+            items = tag & 0x0f;
+        else if (tag >= 0x80 && tag <= 0x8f) /* fixmap: a key and a value each */
+            items = 2 * (uint64_t)(tag & 0x0f);
+        else if (tag == 0xdc || tag == 0xdd || tag == 0xde || tag == 0xdf) {
+            int size = (tag == 0xdc || tag == 0xde) ? 2 : 4;
+            if (end - at < size)
+                return -1;
+            items = read_be(at, size) * (tag >= 0xde ? 2 : 1);
+            at += size;
+        }
+        else {
+            return -1; /* ext types, 0xc1: not what an engine writes */
+        }
+        if (items > (uint64_t)(end - at) || walk->depth == PLAIN_MAX_DEPTH)
+            return -1;
+        walk->left[++walk->depth] = items;
+        walk->at = at;
+        return 1;
+    }
+    if (length > (uint64_t)(end - at))
+        return -1;
+    walk->at = at + length;
+    return 1;
+}
+
+/* ``*cursor`` past ``count`` plain values: 1, or 0 where they are not all there and plain. */
+static int
+skip_plain(const unsigned char **cursor, const unsigned char *end, uint64_t count)
+{
+    Walk walk;
+    int step;
+    walk_start(&walk, *cursor, end, count);
+    while ((step = walk_step(&walk)) > 0)
+        ;
+    *cursor = walk.at;
+    return step == 0;
+}
+
+/* Past an array header (fixarray, array16, array32) whose count is in ``counts`` (a bit
+ * per fixarray count; any count for the others): its count, or -1. */
+static int64_t
+array_header(const unsigned char **cursor, const unsigned char *end, unsigned counts)
+{
+    const unsigned char *at = *cursor;
+    uint64_t count;
+    if (at < end && (*at & 0xf0) == 0x90 && (counts >> (*at & 0x0f)) & 1) {
+        count = *at & 0x0f;
+        at++;
+    }
+    else if (counts == ~0u && at < end && (*at == 0xdc || *at == 0xdd)) {
+        int size = *at == 0xdc ? 2 : 4;
+        if (end - at < 1 + size)
+            return -1;
+        count = read_be(at + 1, size);
+        at += 1 + size;
+    }
+    else {
+        return -1;
+    }
+    if (count > (uint64_t)(end - at)) /* each value takes a byte at least */
+        return -1;
+    *cursor = at;
+    return (int64_t)count;
+}
+
+/* An envelope whose payload may be a plain KV batch, its events not walked yet. */
+typedef struct {
+    Walk events;
+    int ranked; /* the batch has its third field, data_parallel_rank */
+} Candidate;
+
+/* Whether ``[at, end)`` is an envelope as kvbus writes it (``[version, kind, source,
+ * epoch, seq, ts, payload]`` and maybe ``lost_from``, each plain, nothing after) whose
+ * payload starts as a plain KV batch does: ``[ts, [event, ...]`` then maybe ``rank``,
+ * with a float ts. Sets up the walk of the events that decides the rest. */
+static int
+envelope_candidate(const unsigned char *at, const unsigned char *end, Candidate *out)
+{
+    int64_t fields = array_header(&at, end, 1u << 7 | 1u << 8);
+    if (fields < 0 || !skip_plain(&at, end, 6)) /* version .. ts */
+        return 0;
+    if (at == end || (*at != 0xc4 && *at != 0xc5 && *at != 0xc6)) /* payload: bin */
+        return 0;
+    int size = 1 << (*at - 0xc4);
+    if (end - at < 1 + size)
+        return 0;
+    uint64_t length = read_be(at + 1, size);
+    at += 1 + size;
+    if (length > (uint64_t)(end - at))
+        return 0;
+    const unsigned char *payload = at, *payload_end = at + length;
+    at = payload_end;
+    if (fields == 8 && !skip_plain(&at, end, 1)) /* lost_from */
+        return 0;
+    if (at != end)
+        return 0;
+    int64_t batch_fields = array_header(&payload, payload_end, 1u << 2 | 1u << 3);
+    if (batch_fields < 0 || payload == payload_end || (*payload != 0xca && *payload != 0xcb))
+        return 0;
+    if (payload_end - payload < SCALAR_BYTES[*payload]) /* ts */
+        return 0;
+    payload += SCALAR_BYTES[*payload];
+    int64_t events = array_header(&payload, payload_end, ~0u);
+    if (events < 0)
+        return 0;
+    walk_start(&out->events, payload, payload_end, (uint64_t)events);
+    out->ranked = batch_fields == 3;
+    return 1;
+}
+
+/* After its events: whether the batch ends as it should (an int or nil rank if it has
+ * one, then the end of the payload). */
+static int
+batch_ends(const Candidate *candidate)
+{
+    const unsigned char *at = candidate->events.at, *end = candidate->events.end;
+    if (candidate->ranked) {
+        if (at == end || !(*at == 0xc0 || *at <= 0x7f || *at >= 0xe0 ||
+                           (*at >= 0xcc && *at <= 0xd3)))
+            return 0;
+        if (end - at < SCALAR_BYTES[*at])
+            return 0;
+        at += SCALAR_BYTES[*at];
+    }
+    return at == end;
+}
+
+/* Both walks past as many scalars as they each have in a row at their current level,
+ * in step: the two chains of dependent loads (a tag, then the next tag after it)
+ * overlap, and the state stays in registers. Stops at anything else; walk_step takes
+ * that. */
+static inline void
+scalars_in_step(Walk *a, Walk *b)
+{
+    uint64_t left_a = a->left[a->depth], left_b = b->left[b->depth];
+    uint64_t most = left_a < left_b ? left_a : left_b, done = 0;
+    const unsigned char *at_a = a->at, *at_b = b->at, *end_a = a->end, *end_b = b->end;
+    while (done < most && at_a < end_a && at_b < end_b) {
+        unsigned size_a = SCALAR_BYTES[*at_a], size_b = SCALAR_BYTES[*at_b];
+        if (!size_a || !size_b || end_a - at_a < size_a || end_b - at_b < size_b)
+            break;
+        at_a += size_a;
+        at_b += size_b;
+        done++;
+    }
+    a->at = at_a;
+    b->at = at_b;
+    a->left[a->depth] = left_a - done;
+    b->left[b->depth] = left_b - done;
+}
+
+/* Ask for ``data`` to be brought into the caches, with nothing waiting for it: a
+ * slice's entries were written long enough ago to have left them (~25% faster). */
+static inline void
+prefetch(const char *data, Py_ssize_t size)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    for (Py_ssize_t line = 0; line < size; line += 64)
+        __builtin_prefetch(data + line);
+#endif
+}
+
+/* plain_kv_envelopes(datas) -> bytes: for each of ``datas`` (stored entries' bytes),
+ * 1 where it is shaped as kvbus writes envelopes (seven or eight plain values, the
+ * seventh a bin: the payload) and its payload is a KV batch as engines write it (a
+ * float ts, plain events, an int or nil rank): where msgspec decodes the envelope,
+ * kvbus.events.check_kv_batch accepts its payload. 0 says only that this may not be
+ * so (anything else, including what is not bytes): the caller asks msgspec.
+ *
+ * Skipping a msgpack value needs its tag first, so one payload's walk is a chain of
+ * dependent loads; two payloads are walked side by side (scalars_in_step), which
+ * lets the CPU overlap their chains. */
+static PyObject *
+plain_kv_envelopes(PyObject *module, PyObject *datas)
+{
+    PyObject *seq = PySequence_Fast(datas, "plain_kv_envelopes: datas must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    char *flags = PyBytes_AS_STRING(out);
+    memset(flags, 0, (size_t)count);
+    Candidate lanes[2];
+    Py_ssize_t owner[2] = {-1, -1}; /* the entry each lane walks; -1: none */
+    Py_ssize_t next = 0;
+    for (;;) {
+        for (int lane = 0; lane < 2; lane++) {
+            while (owner[lane] < 0 && next < count) { /* give the lane its next entry */
+                PyObject *ahead = next + 2 < count ? items[next + 2] : NULL;
+                if (ahead != NULL && PyBytes_Check(ahead)) /* the next pair's, into cache */
+                    prefetch(PyBytes_AS_STRING(ahead), PyBytes_GET_SIZE(ahead));
+                PyObject *data = items[next];
+                if (PyBytes_Check(data)) {
+                    const unsigned char *at = (const unsigned char *)PyBytes_AS_STRING(data);
+                    if (envelope_candidate(at, at + PyBytes_GET_SIZE(data), &lanes[lane]))
+                        owner[lane] = next;
+                }
+                next++;
+            }
+        }
+        if (owner[0] < 0 && owner[1] < 0)
+            break;
+        if (owner[0] >= 0 && owner[1] >= 0)
+            scalars_in_step(&lanes[0].events, &lanes[1].events);
+        for (int lane = 0; lane < 2; lane++) {
+            if (owner[lane] < 0)
+                continue;
+            int step = walk_step(&lanes[lane].events);
+            if (step > 0)
+                continue;
+            flags[owner[lane]] = step == 0 && batch_ends(&lanes[lane]);
+            owner[lane] = -1;
+        }
+    }
+    Py_DECREF(seq);
     return out;
 }
 
@@ -448,6 +750,7 @@ done:
 static PyMethodDef methods[] = {
     {"token_bytes", (PyCFunction)token_bytes, METH_O, NULL},
     {"packed_token_bytes", (PyCFunction)packed_token_bytes, METH_O, NULL},
+    {"plain_kv_envelopes", (PyCFunction)plain_kv_envelopes, METH_O, NULL},
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, NULL},
     {"store_new", (PyCFunction)(void (*)(void))store_new, METH_FASTCALL, NULL},
     {"drop_only_copies", (PyCFunction)(void (*)(void))drop_only_copies, METH_FASTCALL, NULL},
@@ -457,7 +760,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvbus._ckernels",
-    .m_doc = "PrefixIndex's per-block loops in C (kvbus/_kernels.py is the reference).",
+    .m_doc = "Per-item loops of the index and the subscriber (kvbus/_kernels.py: the reference).",
     .m_size = 0,
     .m_methods = methods,
 };
@@ -466,5 +769,6 @@ PyMODINIT_FUNC
 PyInit__ckernels(void)
 {
     fill_item_tables(); /* constants: the same on every call */
+    fill_scalar_table();
     return PyModuleDef_Init(&module);
 }

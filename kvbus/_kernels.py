@@ -1,7 +1,8 @@
-"""`PrefixIndex`'s per-block loops in Python: the reference for ``kvbus/_ckernels.c``
-(built at install where a C compiler is found) and the fallback where it is not, or
-where ``KVBUS_PURE_PYTHON=1``. Both take and change the index's own dicts, with the
-same results (tests/test_index_kernels.py checks them against each other)."""
+"""The per-item loops of `PrefixIndex` and of the subscriber's check, in Python: the
+reference for ``kvbus/_ckernels.c`` (built at install where a C compiler is found) and
+the fallback where it is not, or where ``KVBUS_PURE_PYTHON=1`` (`kvbus.kernels` picks).
+The index's take and change its own dicts, with the same results
+(tests/test_index_kernels.py checks the two against each other)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ def packed_token_bytes(packed: bytes | msgspec.Raw) -> bytes:
     sent: ``msgspec.Raw``), as native uint32: ValueError (msgspec's) when it is not
     exactly that, else OverflowError for an id below 0 or past 32 bits."""
     return token_bytes(_token_ids.decode(packed))
+
+
+def plain_kv_envelopes(datas: Sequence[bytes]) -> bytes:
+    """A byte per entry of ``datas``: 1 where, if msgspec decodes the envelope, its
+    payload is one `kvbus.events.check_kv_batch` accepts; 0 where that may not be so,
+    and the caller asks msgspec. The C kernel vouches for the envelopes and batches as
+    kvbus and engines write them (its walk costs about half of msgspec's); this one
+    vouches for none, leaving the whole check to msgspec, as fast as Python gets."""
+    return bytes(len(datas))
 
 
 def chain(data: bytes, step: int, parent: int) -> list[int]:

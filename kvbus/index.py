@@ -20,11 +20,9 @@ still chains (bounded: at most as many remembered as held, and at least 1,024).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final, cast
 
 from kvbus import _kernels
 from kvbus.envelope import Kind
@@ -38,6 +36,7 @@ from kvbus.events import (
     decode_kv_batch,
     decode_packed_kv_batch,
 )
+from kvbus.kernels import kernels
 from kvbus.subscribe import Message, Resync
 
 # A worker's copies of a block in each medium are packed in one int (a field of
@@ -53,27 +52,6 @@ _ROOT: Final = 0
 MAX_BLOCK_SIZE: Final = 1 << 20
 """Larger (or non-positive) block sizes in an event are malformed; vLLM's are <= 4096."""
 _MIN_REMEMBERED: Final = 1024
-
-
-def _load_kernels() -> ModuleType:
-    """``kvbus._ckernels`` (C, built at install where a compiler is found) unless it is
-    missing or ``KVBUS_PURE_PYTHON=1``; ``kvbus._kernels`` (the same loops in Python,
-    the same results, ~1.6x slower to apply events) otherwise."""
-    if not os.environ.get("KVBUS_PURE_PYTHON"):
-        try:
-            from kvbus import _ckernels
-        except ImportError:  # no compiler at install
-            pass
-        else:
-            return _ckernels
-    return _kernels
-
-
-if TYPE_CHECKING:  # the C module's functions are the Python ones' (kvbus/_ckernels.pyi)
-    kernels = _kernels
-else:
-    kernels = _load_kernels()
-"""The index's per-block loops in use (see `_load_kernels`)."""
 
 
 def block_keys(
