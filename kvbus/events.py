@@ -191,7 +191,9 @@ class SourceStopped(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 class LossNotice(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Sent by a publisher whose newest messages were dropped with nothing queued after
     them: it takes the last dropped seq, and its gap marker announces the others, so
-    consumers learn of the loss now rather than at the next message."""
+    consumers learn of the loss now rather than at the next message. A subscriber does
+    not deliver it: it announces its seq lost with the others, in one
+    ``Resync(reason="dropped")``."""
 
     dropped: int = 0
     """Messages dropped by this epoch so far."""

@@ -8,7 +8,8 @@ would silently corrupt a consumer's state into an explicit `Resync`:
   the missing ones; if they are not there within ``gap_timeout`` they are declared
   lost (``Resync(reason=GAP)``), and delivery continues after them;
 * a message with a gap marker (``lost_from``) tells that the publisher dropped those
-  seqs: no waiting, ``Resync(reason=DROPPED)``;
+  seqs: no waiting, ``Resync(reason=DROPPED)``; so does a ``LossNotice``, whose own
+  seq is among them;
 * a new epoch means the source restarted: ``Resync(reason=NEW_EPOCH)`` comes before
   the new epoch's first message; messages of older epochs are dropped as stale.
 
@@ -66,6 +67,7 @@ from kvbus.events import (
     ControlEvent,
     KVEventBatch,
     LoadMetrics,
+    LossNotice,
     RouteEvent,
     check_kv_batch,
     decode_connector,
@@ -862,6 +864,9 @@ class Subscription:
         if body is _MALFORMED:  # its effect on the consumer's state is lost
             self._resync(state, ResyncReason.MALFORMED, envelope.seq)
             return
+        if type(body) is LossNotice:
+            self._dropped_through(state, envelope.seq)
+            return
         state.seq = envelope.seq
         message = Message(
             envelope.source,
@@ -875,6 +880,27 @@ class Subscription:
         )
         self.stats.delivered += 1
         self._ready.append((message, order, previous))
+
+    def _dropped_through(self, state: _SourceState, seq: int) -> None:
+        """A `LossNotice` at ``seq``: it takes the seq of the last message its publisher
+        dropped, whose payload is lost like the others', so ``seq`` is announced lost
+        with them (one Resync: the others' was just queued, if its gap marker had any)
+        rather than delivered. Else a lone trailing drop would reach the consumer as a
+        control message and no Resync, and its state would silently miss a batch."""
+        ready = self._ready
+        last = ready[-1][0] if ready else None
+        if (
+            isinstance(last, Resync)
+            and last.source == state.name
+            and last.epoch == state.epoch
+            and last.reason is ResyncReason.DROPPED
+            and last.lost is not None
+            and last.lost[1] == seq - 1 == state.seq
+        ):
+            ready[-1] = (msgspec.structs.replace(last, lost=(last.lost[0], seq)), None, None)
+            state.seq = seq
+        else:
+            self._resync(state, ResyncReason.DROPPED, seq)
 
     def _resync(
         self,
