@@ -28,7 +28,7 @@ import msgspec
 
 from kvbus import __version__, metrics
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
-from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
+from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, decode_envelope, encode_envelope
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
 from kvbus.retry import log_failure, retry_forever
 from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
@@ -331,16 +331,25 @@ class Publisher:
         self.stats.reconnects += 1
 
     async def _append_all(self, records: list[Record]) -> None:
-        """Append ``records``, dropping (and announcing) any the transport refuses as too
-        large: they are removed from ``records`` itself, so that a retry after a later
-        failure neither sends nor drops them again."""
+        """Append ``records``, dropping any the transport refuses as too large. Each is
+        replaced in ``records`` itself by a `LossNotice` under its seq, with its gap
+        marker: consumers learn of the loss at once (not after ``gap_timeout``, as a
+        gap), and a retry after a later failure neither sends nor drops it again."""
         while records:
             try:
                 await self._transport.append(self.stream, records)
                 break
             except RecordTooLarge as error:  # nothing of this call was stored
-                records[:] = [r for r in records if r.msg_id != error.msg_id]
-                self._drop_taken(int(error.msg_id.rpartition(":")[2]), str(error))
+                index = next(i for i, r in enumerate(records) if r.msg_id == error.msg_id)
+                refused = decode_envelope(records[index].data)
+                self._drop_taken(refused.seq, str(error))
+                if refused.kind == Kind.CONTROL:  # a limit too small even for a notice
+                    del records[index]
+                    continue
+                notice = encode(LossNotice(dropped=self.stats.dropped))
+                envelope = msgspec.structs.replace(refused, kind=Kind.CONTROL, payload=notice)
+                records[index] = Record(self.source, refused.msg_id, encode_envelope(envelope))
+                self._settled -= 1  # sending it settles nothing publish() accepted
 
     @property
     def queue_messages(self) -> int:

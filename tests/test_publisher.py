@@ -172,10 +172,32 @@ async def test_a_refused_record_is_dropped_once_across_retries(memory_url: str) 
     assert await publisher.aflush(5)
     await publisher.aclose()
     assert (publisher.stats.dropped, publisher.stats.send_errors) == (1, 1)
-    assert publisher.stats.sent == 4  # SourceStarted, 1, 3, SourceStopped
-    items, _ = await collect(memory_url)
-    assert lost_seqs(items) == {3}  # as a gap: the record after it was already encoded
+    assert publisher.stats.sent == 5  # SourceStarted, 1, a LossNotice for 2, 3, SourceStopped
+    items, sub = await collect(memory_url, gap_timeout=3600)  # no waiting on a gap
+    # At once, as dropped: the notice took the refused record's seq.
+    assert Resync("e", publisher.epoch, ResyncReason.DROPPED, (3, 3)) in items
     assert [i.seq for i in items if isinstance(i, Message)] == [1, 2, 4, 5]
+    assert sub.stats.resyncs == 1
+
+
+async def test_a_refused_record_after_a_loss_keeps_its_gap_marker(memory_url: str) -> None:
+    """The refused record carried the marker of an earlier loss: its notice keeps it,
+    and consumers get one Resync for both."""
+    transport = RefusingTransport(memory_url)
+    publisher = kvbus.Publisher(memory_url, source="e", transport=transport)
+    while not publisher._idle:  # noqa: ASYNC110 - polls the sender thread
+        await asyncio.sleep(0.001)
+    publisher._idle = False  # what follows is queued before the sender wakes
+    publisher.announce_loss()  # seq 2
+    publisher.publish(b"\x00" * 4096)  # seq 3: carries the marker for 2, and is refused
+    publisher.publish(kv_payload(4))
+    publisher._wake_sender()
+    assert await publisher.aflush(5)
+    await publisher.aclose()
+    items, _ = await collect(memory_url, gap_timeout=3600)
+    resyncs = [i for i in items if isinstance(i, Resync)]
+    assert resyncs == [Resync("e", publisher.epoch, ResyncReason.DROPPED, (2, 3))]
+    assert [i.seq for i in items if isinstance(i, Message)] == [1, 4, 5]
 
 
 def test_close_gives_up_on_a_dead_backend(memory_url: str) -> None:
