@@ -30,11 +30,13 @@ from kvbus import __version__, metrics
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, decode_envelope, encode_envelope
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
+from kvbus.logs import LimitedLog
 from kvbus.retry import log_failure, retry_forever
 from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
 from kvbus.transports.packing import DEFAULT_RECORDS
 
 log = logging.getLogger("kvbus.publisher")
+_limited = LimitedLog(log)
 
 DEFAULT_MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_QUEUE_BYTES: Final = 64 * 1024 * 1024
@@ -95,6 +97,18 @@ def _close_fds(*fds: int) -> None:
             os.close(fd)
 
 
+_open_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
+
+
+def _publishers_after_fork_in_child() -> None:
+    for publisher in list(_open_publishers):
+        publisher._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
+    os.register_at_fork(after_in_child=_publishers_after_fork_in_child)
+
+
 class PublisherStats(msgspec.Struct):
     published: int = 0
     """Messages accepted by ``publish()``."""
@@ -115,6 +129,11 @@ class Publisher:
     ``publish()`` while the process lives and the backend recovers within the queue's
     capacity; otherwise the loss is announced to consumers by the next message's gap
     marker. Per-source order is preserved.
+
+    Any thread may publish, and close() while others publish: what publish() accepted
+    is sent, what it refused is counted in ``stats.dropped``, and nothing follows the
+    epoch's ``SourceStopped``. A process forked while the Publisher is open gets it
+    closed (its sender thread stays in the parent): a child opens its own.
 
     Args:
         url: transport URL; default ``$KVBUS_URL``, else ``memory://``.
@@ -159,6 +178,9 @@ class Publisher:
         self._seqs = itertools.count(1)
         self._queue: deque[_Queued] = deque()
         self._closed = False
+        # Held for a few bytecodes by publish(), and by the sender only to count a drop
+        # (see _enqueue): it never waits on I/O.
+        self._lock = threading.Lock()
         # The sender sets _idle before sleeping; publish() wakes it only then, so a busy
         # sender costs publish() nothing beyond a deque append. The wake-up is one byte
         # written to a pipe the sender's loop watches, by a write that keeps the GIL
@@ -170,10 +192,11 @@ class Publisher:
         self._wakeup = asyncio.Event()
         pipe = _wake_pipe(self._loop, self._wakeup)
         self._wake_fd = -1 if pipe is None else pipe[0]
-        if pipe is not None:
-            # Closed once nothing can write to it; not at exit, where a Publisher never
-            # closed may still be in use (the process's exit closes them).
-            weakref.finalize(self, _close_fds, *pipe).atexit = False
+        self._close_pipe = weakref.finalize(self, _close_fds, *(pipe or ()))
+        # Closed once nothing can write to it; not at exit, where a Publisher never
+        # closed may still be in use (the process's exit closes them).
+        self._close_pipe.atexit = False
+        self._forked = False
         self._settled = 0  # accepted messages the sender has sent or dropped
         self._last_dropped = 0  # newest dropped seq
         self._thread = threading.Thread(
@@ -182,6 +205,7 @@ class Publisher:
         self._thread.start()
         self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._loop)
         metrics.track_publisher(self)
+        _open_publishers.add(self)
         self.publish(
             SourceStarted(
                 host=socket.gethostname(),
@@ -200,11 +224,32 @@ class Publisher:
         ``payload`` is the engine's encoded bytes, or a msgspec Struct that the sender
         thread encodes the way vLLM does. Safe to call from any thread or event loop.
         """
-        seq = next(self._seqs)
         size = len(payload) if isinstance(payload, bytes) else _STRUCT_BYTES
+        with self._lock:
+            accepted = self._enqueue(payload, kind, size)
+        if self._idle:
+            self._wake_sender()
+        return accepted
+
+    def _enqueue(self, payload: bytes | msgspec.Struct, kind: Kind, size: int) -> bool:
+        """publish() under ``_lock``: a seq is taken, counted and queued (or dropped) as
+        one step, so that close() cannot slip in between the check and the append (the
+        message would be accepted after the sender's last look at the queue), and
+        counters written from several threads keep every increment."""
+        if self._closed:  # the epoch ended with SourceStopped: no seq, no LossNotice
+            self.stats.dropped += 1
+            if self._forked:
+                _limited.warning(
+                    "forked",
+                    "kvbus: dropped a message published in process %d through a Publisher "
+                    "of stream %s opened before the fork; open a Publisher in the child",
+                    os.getpid(),
+                    self.stream,
+                )
+            return False
+        seq = next(self._seqs)
         if (
-            self._closed
-            or len(self._queue) >= self._max_queue
+            len(self._queue) >= self._max_queue
             or self._bytes_in + size - self._bytes_out > self._max_queue_bytes
         ):
             self.stats.dropped += 1
@@ -213,8 +258,6 @@ class Publisher:
         self._bytes_in += size
         self._queue.append((seq, kind, payload, time.time()))
         self.stats.published += 1
-        if self._idle:
-            self._wake_sender()
         return True
 
     def announce_loss(self, count: int = 1) -> None:
@@ -222,13 +265,30 @@ class Publisher:
         messages it cannot recover): consumers get ``Resync(reason="dropped")`` before
         the next message, as for messages this publisher dropped. One seq stands for the
         whole loss, so this costs O(1) whatever ``count`` says."""
-        self._last_dropped = next(self._seqs)
-        self.stats.dropped += max(1, count)
+        with self._lock:
+            self._last_dropped = next(self._seqs)
+            self.stats.dropped += max(1, count)
         if self._idle:
             self._wake_sender()
 
+    def _after_fork_in_child(self) -> None:
+        """This process was forked while the Publisher was open. Its sender thread did
+        not survive the fork, and its seqs belong to the parent, which sends what it had
+        queued: here it is closed, and drops (counts, and logs) whatever is published.
+        A lock a parent thread held at the fork would stay held here: it is replaced.
+        The child's copies of the wake pipe are closed (the parent's stay open) and the
+        loop is left alone: closing it would unregister the parent's pipe from the
+        epoll instance they share."""
+        self._lock = threading.Lock()
+        self._closed = self._forked = True
+        self._queue.clear()
+        self._close_pipe()
+        self._wake_fd = -1
+
     def _wake_sender(self) -> None:
         self._idle = False
+        if self._forked:
+            return
         if self._wake_fd >= 0:
             _write_keeping_gil(self._wake_fd, b"\0", 1)
         else:  # releases the GIL: see __init__
@@ -247,7 +307,9 @@ class Publisher:
                 batch = [(self._last_dropped, Kind.CONTROL, notice, time.time())]
                 self._settled -= 1  # sending it settles nothing publish() accepted
             if not batch:
-                if self._closed:
+                # _closed is set under publish()'s lock: once it is seen, the queue only
+                # shrinks, and an empty queue is final.
+                if self._closed and not self._queue:
                     return
                 self._idle = True
                 # published, or a loss announced, between _take_batch and _idle = True
@@ -289,9 +351,10 @@ class Publisher:
     def _drop_taken(self, seq: int, what: str) -> None:
         """Drop a message the sender took from the queue; the next one sent carries
         the gap marker that announces it."""
-        self.stats.dropped += 1
+        with self._lock:  # publish() counts drops too
+            self.stats.dropped += 1
+            self._last_dropped = max(self._last_dropped, seq)
         self._settled += 1
-        self._last_dropped = max(self._last_dropped, seq)
         log.error("kvbus: dropped %s", what)
 
     def _take_batch(self) -> list[_Queued]:
@@ -369,7 +432,7 @@ class Publisher:
         while time.monotonic() < deadline:
             if self._settled >= target:
                 return True
-            if self._sender.done():
+            if self._sender.done() or self._forked:
                 break
             time.sleep(0.001)
         return False
@@ -380,17 +443,20 @@ class Publisher:
     def close(self, timeout: float = 10.0) -> None:
         """Publish ``SourceStopped``, send what is queued (up to ``timeout`` seconds),
         close the transport and stop the sender thread. Idempotent."""
-        if self._closed:
-            return
-        self.publish(SourceStopped(dropped=self.stats.dropped), Kind.CONTROL)
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            # The last message of the epoch: nothing is accepted after it.
+            self._enqueue(SourceStopped(dropped=self.stats.dropped), Kind.CONTROL, _STRUCT_BYTES)
+            self._closed = True
         self._wake_sender()
         try:
             self._sender.result(timeout)
         except TimeoutError:
             self._sender.cancel()
             unsent = self.stats.published - self._settled
-            self.stats.dropped += unsent
+            with self._lock:
+                self.stats.dropped += unsent
             log.error("kvbus: closed with %d messages unsent to %s", unsent, redact_url(self.url))
         close = asyncio.run_coroutine_threadsafe(self._transport.aclose(), self._loop)
         try:

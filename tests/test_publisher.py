@@ -7,9 +7,10 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from kvbus.transports import Record, RecordTooLarge
@@ -20,7 +21,7 @@ from kvbus import BlockStored, KVEventBatch, LossNotice, Message, Resync, Resync
 from kvbus.events import encode
 
 from .conftest import collect, kv_payload, lost_seqs
-from .servers import free_port
+from .servers import RedisServer, free_port
 
 
 class StalledTransport(MemoryTransport):
@@ -321,3 +322,110 @@ def test_the_queue_is_bounded_in_bytes(memory_url: str) -> None:
     assert sum(isinstance(i, Message) and i.payload == megabyte for i in items) == results.count(
         True
     )
+
+
+def _close_while_threads_publish(url: str, source: str, payload: bytes) -> None:
+    """Three threads publish until refused while this one closes the Publisher."""
+    publisher = kvbus.Publisher(url, source=source, max_queue=10**6)
+    accepted, refused = [0] * 3, [0] * 3
+    started = threading.Barrier(4)
+
+    def spam(i: int) -> None:
+        started.wait()
+        while publisher.publish(payload):
+            accepted[i] += 1
+        refused[i] += 1
+
+    threads = [threading.Thread(target=spam, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(0.001)
+    publisher.close()
+    for t in threads:
+        t.join()
+    stats = publisher.stats
+    assert stats.published == sum(accepted) + 2  # SourceStarted, SourceStopped
+    assert stats.sent == stats.published, (source, stats)
+    assert stats.dropped == sum(refused)
+
+
+def test_publish_racing_close_from_other_threads_leaves_nothing_unsent(memory_url: str) -> None:
+    """Threads publishing while another closes the Publisher: every publish() that
+    returned True is sent (and the stream holds it), every other one is counted dropped
+    (none announced: the epoch ended), and nothing follows SourceStopped."""
+    payload = kv_payload(0)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over between publish()'s check and append
+    try:
+        for round in range(30):
+            _close_while_threads_publish(memory_url, f"engine{round}", payload)
+    finally:
+        sys.setswitchinterval(switch)
+    items, _ = asyncio.run(collect(memory_url, gap_timeout=0))
+    assert not [i for i in items if isinstance(i, Resync)]
+    for round in range(30):
+        mine = [i for i in items if isinstance(i, Message) and i.source == f"engine{round}"]
+        assert [i.seq for i in mine] == list(range(1, len(mine) + 1))
+        assert isinstance(mine[-1].body, kvbus.SourceStopped)
+
+
+def _in_forked_child(check: Callable[[], None]) -> None:
+    """Run ``check`` in a forked child; fail here with what failed there."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, and never return into pytest
+        os.close(read_fd)
+        problem = b""
+        try:
+            check()
+        except BaseException as error:  # reported to the parent
+            problem = repr(error).encode() or b"failed"
+        os.write(write_fd, problem)
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as reader:
+        problem = reader.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and not problem, problem.decode()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_drops_through_the_parents_publisher_and_publishes_through_its_own(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Publisher open across a fork is closed in the child: the child's publish() is
+    dropped and counted (its sender thread did not survive, and its seqs are the
+    parent's), even with the Publisher's lock held by a parent thread at the fork, and
+    close() does not wait for a thread that is not there. A Publisher the child opens
+    works. The parent's goes on as if nothing happened."""
+    stream = f"fork{time.monotonic_ns()}"
+    parent = kvbus.Publisher(redis_server.url, stream=stream, source="parent")
+    assert parent.publish(kv_payload(1)) and parent.flush()
+
+    def child() -> None:
+        started = time.monotonic()
+        assert parent.publish(kv_payload(2)) is False
+        assert parent.stats.dropped == 1
+        parent.close()
+        assert time.monotonic() - started < 2
+        with kvbus.Publisher(redis_server.url, stream=stream, source="child") as own:
+            assert own.publish(kv_payload(3))
+        assert own.stats.sent == 3  # SourceStarted, the batch, SourceStopped
+
+    parent._lock.acquire()  # as if a parent thread were inside publish() at the fork
+    try:
+        with caplog.at_level(logging.WARNING, "kvbus.publisher"):
+            _in_forked_child(child)
+    finally:
+        parent._lock.release()
+    assert parent.publish(kv_payload(4))
+    parent.close()
+    assert parent.stats.sent == 4 and parent.stats.dropped == 0
+    items, _ = asyncio.run(collect(redis_server.url, stream=stream, gap_timeout=0))
+    assert not [i for i in items if isinstance(i, Resync)]
+    by_source: dict[str, list[int]] = {}
+    for item in items:
+        if isinstance(item, Message) and item.kind is kvbus.Kind.KV:
+            by_source.setdefault(item.source, []).append(item.seq)
+    assert by_source == {"parent": [2, 3], "child": [2]}
