@@ -18,9 +18,10 @@ kvbus rows, on ``memory://`` and ``redis://`` (a real redis-server on a free por
   the same event loop (512 envelopes per append, as a publisher's sender under load).
 
 The stream is what a publisher stores: one source, seqs 1..N, 512 envelopes per append
-(a pack of 512 per Redis entry).
+(a pack of 512 per Redis entry), as a sender under load hands them over; ``--per-append 1``
+stores one per entry, as a publisher at production rates does (one batch per wake-up).
 
-Run: python bench/bench_subscribe.py [--repeats 5] [--batches 50000]
+Run: python bench/bench_subscribe.py [--repeats 5] [--batches 50000] [--per-append 512]
 """
 
 from __future__ import annotations
@@ -66,10 +67,13 @@ def records_of(payloads: list[bytes]) -> list[Record]:
     return out
 
 
-async def fill(url: str, stream: str, records: list[Record]) -> None:
+async def fill(url: str, stream: str, records: list[Record], per_append: int = CHUNK) -> None:
+    """Store ``records`` as a publisher would, ``per_append`` at a time: a publisher's
+    sender hands over what is queued when it wakes, up to 512, and a Redis entry holds
+    one append. At production rates (an engine step every 10-50 ms) that is 1."""
     transport = open_transport(url)
-    for first in range(0, len(records), CHUNK):
-        await transport.append(stream, records[first : first + CHUNK])
+    for first in range(0, len(records), per_append):
+        await transport.append(stream, records[first : first + per_append])
     await transport.aclose()
 
 
@@ -208,10 +212,12 @@ def table(title: str, rows: dict[str, list[Rate]], baseline: str) -> None:
         print(f"{name:58} {wall[name]:9.0f} {cpu[name]:9.0f}", *(f"{r:7.2f}" for r in ratios))
 
 
-def kvbus_rows(rows: dict[str, list[Rate]], url: str, records: list[Record], name: str) -> None:
+def kvbus_rows(
+    rows: dict[str, list[Rate]], url: str, records: list[Record], name: str, per_append: int
+) -> None:
     n = len(records)
     stream = f"replay{time.monotonic_ns()}"
-    asyncio.run(fill(url, stream, records))
+    asyncio.run(fill(url, stream, records, per_append))
     repeat(
         rows,
         f"kvbus {name} Transport.read() (not decoded)",
@@ -243,6 +249,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=50_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=["memory", "redis"], help="skip the other backend")
+    parser.add_argument(
+        "--per-append",
+        type=int,
+        default=CHUNK,
+        help="envelopes per stored append (a Redis entry): 512 as under load, 1 as a "
+        "publisher at production rates writes them",
+    )
     args = parser.parse_args()
     n = args.batches
     print(
@@ -255,7 +268,9 @@ def main() -> None:
         rows: dict[str, list[Rate]] = {}
         for r in range(args.repeats):
             repeat(rows, "vLLM decoder alone (baseline)", lambda: vllm_decode(payloads))
-            kvbus_rows(rows, f"memory://bench{r}?maxlen={n + 10}", records, "memory://")
+            kvbus_rows(
+                rows, f"memory://bench{r}?maxlen={n + 10}", records, "memory://", args.per_append
+            )
         table(f"memory://, {n} batches, median of {args.repeats}", rows, next(iter(rows)))
 
     if args.only != "memory":
@@ -271,9 +286,10 @@ def main() -> None:
                     "raw redis-py XRANGE pages + vLLM decoder (baseline)",
                     lambda: asyncio.run(redis_raw_replay(server.url, payloads)),
                 )
-                kvbus_rows(rows, url, records, "redis://")
+                kvbus_rows(rows, url, records, "redis://", args.per_append)
             server.stop()
-        table(f"redis://, {n} batches, median of {args.repeats}", rows, list(rows)[1])
+        title = f"redis://, {n} batches, {args.per_append} per entry, median of {args.repeats}"
+        table(title, rows, list(rows)[1])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import redis.asyncio as redis
 
 import kvbus
@@ -67,3 +68,35 @@ async def test_a_stopped_server_is_a_counted_timeout_not_a_hang(tmp_path: Path) 
         os.kill(server.process.pid, signal.SIGCONT)
         await publisher.aclose()
         server.stop()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_entries_read_alike_over_resp2_and_resp3_whatever_their_fields(
+    redis_server: RedisServer, protocol: int
+) -> None:
+    """The transport parses replies as the server sends them (no redis-py callbacks):
+    entries of one envelope and packs, history and the live tail, over either RESP
+    version; an entry someone else wrote with other fields is one malformed message."""
+    stream = f"resp{protocol}"
+    url = f"{redis_server.url}?protocol={protocol}"
+    client = redis.Redis.from_url(redis_server.url)
+    publisher = kvbus.Publisher(url, stream=stream, source="engine")
+    publisher.publish(kv_payload(1))  # alone in its entry, or packed with SourceStarted
+    assert await publisher.aflush()
+    await client.xadd(f"kvbus:{stream}", {"other": b"x", "more": b"y"})
+    for i in range(2, 5):
+        publisher.publish(kv_payload(i))
+    assert await publisher.aflush()
+    sub = kvbus.subscribe(stream, url)
+    items = []
+    async for item in sub:
+        items.append(item)
+        if len(items) == 5:
+            publisher.publish(kv_payload(5))  # read from the live tail (XREAD)
+        if len(items) == 6:
+            break
+    assert seqs(items) == list(range(1, 7))
+    assert sub.stats.malformed == 1
+    await sub.aclose()
+    await publisher.aclose()
+    await client.aclose()
