@@ -281,14 +281,13 @@ class Publisher:
         epoll instance they share."""
         self._lock = threading.Lock()
         self._closed = self._forked = True
+        self._idle = False  # only the sender sets it: nothing here wakes a sender
         self._queue.clear()
         self._close_pipe()
         self._wake_fd = -1
 
     def _wake_sender(self) -> None:
         self._idle = False
-        if self._forked:
-            return
         if self._wake_fd >= 0:
             _write_keeping_gil(self._wake_fd, b"\0", 1)
         else:  # releases the GIL: see __init__
