@@ -355,19 +355,22 @@ def test_publish_racing_close_from_other_threads_leaves_nothing_unsent(memory_ur
     returned True is sent (and the stream holds it), every other one is counted dropped
     (none announced: the epoch ended), and nothing follows SourceStopped."""
     payload = kv_payload(0)
+    # A bus per round: a round publishes thousands of messages, as many as the threads
+    # manage before close(), and one stream would trim the oldest rounds' (maxlen).
+    urls = [f"{memory_url}-{round}" for round in range(30)]
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # hand the GIL over between publish()'s check and append
     try:
-        for round in range(30):
-            _close_while_threads_publish(memory_url, f"engine{round}", payload)
+        for url in urls:
+            _close_while_threads_publish(url, "engine", payload)
     finally:
         sys.setswitchinterval(switch)
-    items, _ = asyncio.run(collect(memory_url, gap_timeout=0))
-    assert not [i for i in items if isinstance(i, Resync)]
-    for round in range(30):
-        mine = [i for i in items if isinstance(i, Message) and i.source == f"engine{round}"]
-        assert [i.seq for i in mine] == list(range(1, len(mine) + 1))
-        assert isinstance(mine[-1].body, kvbus.SourceStopped)
+    for url in urls:
+        items, _ = asyncio.run(collect(url, gap_timeout=0))
+        assert not [i for i in items if isinstance(i, Resync)]
+        assert [i.seq for i in items] == list(range(1, len(items) + 1))
+        assert isinstance(items[-1], Message)
+        assert isinstance(items[-1].body, kvbus.SourceStopped)
 
 
 def _in_forked_child(check: Callable[[], None]) -> None:
