@@ -341,6 +341,8 @@ class _SourceState:
 
 
 _SLICE: Final = 256
+_CANCEL_AGAIN_AFTER: Final = 0.1
+"""Seconds `Subscription.aclose` gives its reader to end before cancelling it again."""
 """Entries of a page ingested at a time."""
 _NONE_VOUCHED: Final = repeat(0)
 _END: Final = object()
@@ -535,12 +537,17 @@ class Subscription:
         return Cursor(position, sources)
 
     async def aclose(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
+        reader = self._reader
+        if reader is not None:
+            # Cancelled until it ends: a backend's client can swallow a cancellation
+            # that lands mid-command (redis-py does), and the reader would then go on
+            # to wait for a consumer that has left. Waited for with asyncio.wait, which
+            # leaves a cancellation of this call (a timeout around it) to its caller.
+            while not reader.done():
+                reader.cancel()
+                await asyncio.wait([reader], timeout=_CANCEL_AGAIN_AFTER)
+            if not reader.cancelled() and reader.exception() is not None:
+                log.debug("kvbus: reader of %s ended with %r", self.stream, reader.exception())
         await self._transport.aclose()
 
     async def __aenter__(self) -> Subscription:

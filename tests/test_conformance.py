@@ -4,6 +4,8 @@ nats:// and redis://, the last two against real servers started by fixtures)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import random
 import time
 from typing import Any
@@ -148,6 +150,28 @@ async def test_large_messages(bus: Bus) -> None:
     items, _ = await history(bus)
     assert [m.payload for m in kv_messages(items)] == [payload, small] * 3
     assert kv_messages(items)[0].body == big
+    publisher.close()
+
+
+async def test_a_consumer_that_leaves_early_closes_at_once(bus: Bus) -> None:
+    """A consumer that stops reading (break, or an exception in its loop) while the
+    subscription has read ahead as far as it may: leaving the ``async with`` stops the
+    reader, on a history read and on the live tail alike."""
+    publisher = bus.publisher("engine-a", max_queue=10_000)
+    for i in range(4000):  # more than a subscription reads ahead
+        publisher.publish(kv_payload(i, 16))
+    assert publisher.flush(30)
+    # Leaving at once (the reader is most likely mid-read) or after a pause (it waits
+    # for the consumer, its read-ahead full).
+    for follow, pause in itertools.product((False, True), (0, 0.2)):
+        async with asyncio.timeout(10):  # a reader that outlives its cancel: a hang
+            with contextlib.suppress(LookupError):
+                async with bus.subscribe(follow=follow) as sub:
+                    async for _ in sub:
+                        if sub.stats.delivered > 10:
+                            await asyncio.sleep(pause)
+                            raise LookupError("the consumer's own error")
+        assert sub._reader is not None and sub._reader.done()
     publisher.close()
 
 

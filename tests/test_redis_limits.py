@@ -5,15 +5,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 import redis.asyncio as redis
+from kvbus.transports import Record, open_transport
 
 import kvbus
 
-from .conftest import kv_payload, seqs
+from .conftest import envelope, kv_payload, seqs
 from .servers import RedisServer
+
+EPOCH = time.time_ns() - 10**9
 
 
 async def test_an_entry_forged_with_the_last_possible_id_does_not_stop_publishers(
@@ -100,3 +104,29 @@ async def test_entries_read_alike_over_resp2_and_resp3_whatever_their_fields(
     await sub.aclose()
     await publisher.aclose()
     await client.aclose()
+
+
+@pytest.mark.parametrize("follow", [False, True])
+async def test_a_consumer_leaving_mid_read_is_not_kept_waiting(
+    redis_server: RedisServer, follow: bool
+) -> None:
+    """redis-py can swallow a cancellation that lands mid-command: a subscription closed
+    while its reader waited for the next page of history used to go on reading, then
+    wait for ever for its consumer to make room (the consumer's ``async with`` hung)."""
+    stream = f"leave{follow}"
+    transport = open_transport(redis_server.url)
+    records = [
+        Record("engine", f"engine:{EPOCH}:{seq}", envelope("engine", EPOCH, seq, kv_payload(seq)))
+        for seq in range(1, 10_001)
+    ]
+    for first in range(0, len(records), 512):  # as a publisher under load: 512 an entry
+        await transport.append(stream, records[first : first + 512])
+    await transport.aclose()
+    for _ in range(3):  # where the cancellation lands varies
+        sub = kvbus.subscribe(stream, redis_server.url, follow=follow)
+        async for _item in sub:
+            if sub.stats.delivered > 10:  # the reader is fetching the next page now
+                break
+        closing = asyncio.create_task(sub.aclose())
+        await asyncio.wait([closing], timeout=10)  # the old reader: never
+        assert closing.done() and sub._reader is not None and sub._reader.done()

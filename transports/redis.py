@@ -165,6 +165,7 @@ class RedisTransport(Transport):
                 batch = _read_entries(reply)
             else:
                 batch = await client.xrange(key, b"(" + last, end, count=count)
+                _raise_if_cancelled()
                 if not batch:
                     return
             horizon = time.time() * 1000 + _FUTURE_MS
@@ -251,8 +252,9 @@ def _sentinel_client(parts: SplitResult, options: list[tuple[str, str]]) -> tupl
 
 
 def _raise_if_cancelled() -> None:
-    # redis-py can swallow a cancellation that lands while XREAD BLOCK times out, and
-    # the loop would then block forever in the next XREAD.
+    # redis-py can swallow a cancellation that lands mid-command (XREAD BLOCK timing
+    # out, an XRANGE reading its reply): the loop would then go on reading (and block
+    # for ever in the next XREAD) for a subscription that is closing.
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
     if cancelling is not None and cancelling():
