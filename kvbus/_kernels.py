@@ -7,8 +7,8 @@ The index's take and change its own dicts, with the same results
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
-from typing import cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import msgspec
 
@@ -34,6 +34,31 @@ def plain_kv_envelopes(datas: Sequence[bytes]) -> bytes:
     kvbus and engines write them (its walk costs about half of msgspec's); this one
     vouches for none, leaving the whole check to msgspec, as fast as Python gets."""
     return bytes(len(datas))
+
+
+def kv_run(
+    entries: Sequence[Any],
+    start: int,
+    vouched: bytes,
+    max_bytes: int,
+    schema_version: int,
+    message: Callable[..., Any],
+    kind: int,
+    body: object,
+    order: int,
+    previous: object,
+) -> tuple[str, int, int, list[tuple[Any, int, Any]]] | None:
+    """The subscriber's messages for a run of ``entries`` from ``start``: one source's
+    KV batches of one epoch, seqs consecutive, each vouched for (``vouched``, from
+    `plain_kv_envelopes`), at most ``max_bytes``, a schema no newer than
+    ``schema_version``, no gap marker, sent by that source or by no one the backend
+    knows (``Entry.sender``). Returns (source, epoch, first seq, items), each item
+    ``(message(source, epoch, seq, kind, ts, body, payload, position, None), order,
+    previous position)`` as the subscriber's per-entry path queues it, orders counting
+    from ``order``; or None: no run starts there, that path decides. The caller checks
+    what only it knows (the source's state) once per run. This one finds no runs (none
+    is vouched for here): every entry takes the per-entry path."""
+    return None
 
 
 def chain(data: bytes, step: int, parent: int) -> list[int]:
