@@ -340,9 +340,9 @@ class _SourceState:
 
 
 _SLICE: Final = 256
+"""Entries of a page ingested at a time."""
 _CANCEL_AGAIN_AFTER: Final = 0.1
 """Seconds `Subscription.aclose` gives its reader to end before cancelling it again."""
-"""Entries of a page ingested at a time."""
 _END: Final = object()
 _MALFORMED: Final = object()
 _KINDS: Final = {kind.value: kind for kind in Kind}
