@@ -353,6 +353,29 @@ array_header(const unsigned char **cursor, const unsigned char *end, unsigned co
     return (int64_t)count;
 }
 
+/* Past a str or bin: a tag ``tag8`` (its 1-byte length form) or one of the two after it
+ * (2- and 4-byte lengths), the length, and that many bytes: 1, with where they start
+ * and how many; 0 where that is not what ``*cursor`` holds, or is cut short. */
+static int
+read_sized(const unsigned char **cursor, const unsigned char *end, unsigned char tag8,
+           const unsigned char **bytes, uint64_t *length)
+{
+    const unsigned char *at = *cursor;
+    if (at >= end || *at < tag8 || *at > tag8 + 2)
+        return 0;
+    int size = 1 << (*at - tag8);
+    if (end - at < 1 + size)
+        return 0;
+    uint64_t read = read_be(at + 1, size);
+    at += 1 + size;
+    if (read > (uint64_t)(end - at))
+        return 0;
+    *bytes = at;
+    *length = read;
+    *cursor = at + read;
+    return 1;
+}
+
 /* An envelope whose payload may be a plain KV batch, its events not walked yet. */
 typedef struct {
     Walk events;
@@ -369,17 +392,11 @@ envelope_candidate(const unsigned char *at, const unsigned char *end, Candidate 
     int64_t fields = array_header(&at, end, 1u << 7 | 1u << 8);
     if (fields < 0 || !skip_plain(&at, end, 6)) /* version .. ts */
         return 0;
-    if (at == end || (*at != 0xc4 && *at != 0xc5 && *at != 0xc6)) /* payload: bin */
+    const unsigned char *payload;
+    uint64_t length;
+    if (!read_sized(&at, end, 0xc4, &payload, &length)) /* payload: bin8, bin16, bin32 */
         return 0;
-    int size = 1 << (*at - 0xc4);
-    if (end - at < 1 + size)
-        return 0;
-    uint64_t length = read_be(at + 1, size);
-    at += 1 + size;
-    if (length > (uint64_t)(end - at))
-        return 0;
-    const unsigned char *payload = at, *payload_end = at + length;
-    at = payload_end;
+    const unsigned char *payload_end = payload + length;
     if (fields == 8 && !skip_plain(&at, end, 1)) /* lost_from */
         return 0;
     if (at != end)
@@ -581,22 +598,15 @@ read_envelope(const unsigned char *at, const unsigned char *end, Fields *out)
     uint64_t length;
     if (*at >= 0xa0 && *at <= 0xbf) { /* fixstr */
         length = *at++ & 0x1f;
-    }
-    else if (*at >= 0xd9 && *at <= 0xdb) { /* str8, str16, str32 */
-        int size = 1 << (*at - 0xd9);
-        if (end - at < 1 + size)
+        if (length > (uint64_t)(end - at))
             return 0;
-        length = read_be(at + 1, size);
-        at += 1 + size;
+        out->source = at;
+        at += length;
     }
-    else {
+    else if (!read_sized(&at, end, 0xd9, &out->source, &length)) { /* str8, str16, str32 */
         return 0;
     }
-    if (length > (uint64_t)(end - at))
-        return 0;
-    out->source = at;
     out->source_size = (Py_ssize_t)length;
-    at += length;
     if (!read_uint(&at, end, &out->epoch) || !read_uint(&at, end, &out->seq) || at >= end)
         return 0;
     if (*at == 0xcb && end - at >= 9) { /* float64 */
@@ -614,18 +624,9 @@ read_envelope(const unsigned char *at, const unsigned char *end, Fields *out)
     else {
         return 0;
     }
-    if (at >= end || *at < 0xc4 || *at > 0xc6) /* bin8, bin16, bin32 */
+    if (!read_sized(&at, end, 0xc4, &out->payload, &length)) /* bin8, bin16, bin32 */
         return 0;
-    int size = 1 << (*at - 0xc4);
-    if (end - at < 1 + size)
-        return 0;
-    length = read_be(at + 1, size);
-    at += 1 + size;
-    if (length > (uint64_t)(end - at))
-        return 0;
-    out->payload = at;
     out->payload_size = (Py_ssize_t)length;
-    at += length;
     if (ends_in_lost_from && (at >= end || *at++ != 0x00))
         return 0;
     return at == end;

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
 import os
 import time
@@ -17,6 +18,14 @@ from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.events import BlockStored, KVEventBatch, encode
 
 from .servers import NatsServer, RedisServer, free_port
+
+try:
+    from kvbus import _ckernels as ckernels
+except ImportError:  # no C compiler at install
+    ckernels = None  # type: ignore[assignment]
+
+needs_c = pytest.mark.skipif(ckernels is None, reason="kvbus._ckernels did not build")
+subscribe_module = importlib.import_module("kvbus.subscribe")  # kvbus.subscribe: the function
 
 
 @contextlib.contextmanager

@@ -18,12 +18,8 @@ import kvbus.index
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, _kernels
 from kvbus.index import PrefixIndex
 
-try:
-    from kvbus import _ckernels
-except ImportError:  # no compiler at install
-    _ckernels = None  # type: ignore[assignment]
-
-needs_c = pytest.mark.skipif(_ckernels is None, reason="kvbus._ckernels did not build")
+from .conftest import ckernels as _ckernels
+from .conftest import needs_c
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")

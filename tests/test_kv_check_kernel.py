@@ -4,7 +4,6 @@ a subscription delivers and counts the same whichever kernel checks."""
 
 from __future__ import annotations
 
-import importlib
 import time
 from typing import Any
 
@@ -18,16 +17,10 @@ from kvbus.envelope import ENVELOPE_DECODER
 from kvbus.events import check_kv_batch
 from kvbus.subscribe import Message, Resync, ResyncReason
 
-from .conftest import append_raw, collect, envelope, kv_payload, seqs
+from .conftest import append_raw, collect, envelope, kv_payload, needs_c, seqs, subscribe_module
+from .conftest import ckernels as _ckernels
 
-try:
-    from kvbus import _ckernels
-except ImportError:  # no compiler at install
-    _ckernels = None  # type: ignore[assignment]
-
-needs_c = pytest.mark.skipif(_ckernels is None, reason="kvbus._ckernels did not build")
 EPOCH = time.time_ns() - 10**12
-subscribe_module = importlib.import_module("kvbus.subscribe")  # kvbus.subscribe: the function
 _encode = msgspec.msgpack.encode
 
 

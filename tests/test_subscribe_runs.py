@@ -7,14 +7,12 @@ for an envelope's fields, not only the ones kvbus writes."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvbus.transports import Entry
@@ -24,15 +22,9 @@ import kvbus
 from kvbus import Message, _kernels
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 
-from .conftest import kv_payload
+from .conftest import ckernels as _ckernels
+from .conftest import kv_payload, needs_c, subscribe_module
 
-try:
-    from kvbus import _ckernels
-except ImportError:  # no C compiler at install
-    _ckernels = None  # type: ignore[assignment]
-
-subscribe_module = importlib.import_module("kvbus.subscribe")  # kvbus.subscribe: the function
-needs_c = pytest.mark.skipif(_ckernels is None, reason="kvbus._ckernels did not build")
 EPOCH = time.time_ns() - 10**9
 _buses = itertools.count()
 
