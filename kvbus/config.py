@@ -7,7 +7,7 @@ import os
 import re
 import socket
 from typing import Final
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 DEFAULT_URL: Final = "memory://"
 DEFAULT_STREAM: Final = "kv"
@@ -60,11 +60,19 @@ def redact_url(url: str) -> str:
 
 
 def redact_text(text: str, urls: list[str]) -> str:
-    """``text`` (an error message) with the credentials of ``urls`` blanked out."""
+    """``text`` (an error message) with the credentials of ``urls`` blanked out: the
+    whole ``user:password`` (or token), the password alone, and each as the client
+    library may print it once %-decoded."""
     for url in urls:
-        parts = urlsplit(url)
-        secrets = [parts.netloc.rpartition("@")[0]]
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            continue
+        credentials = parts.netloc.rpartition("@")[0]
+        secrets = [credentials, credentials.partition(":")[2]]
         secrets += [m.group(2) for m in _PASSWORD_OPTION.finditer(parts.query)]
-        for secret in filter(None, secrets):
+        secrets += [unquote(secret) for secret in secrets]
+        # Longest first: a password inside the whole credential goes with it.
+        for secret in sorted(filter(None, set(secrets)), key=len, reverse=True):
             text = text.replace(secret, "***")
     return text

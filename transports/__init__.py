@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kvbus.config import redact_url
+
 Position: TypeAlias = int | str
 """Where an entry sits in a stream; opaque to everything but its transport."""
 
@@ -160,7 +162,7 @@ def open_transport(url: str) -> Transport:
         factory = _BACKENDS[scheme]
     except KeyError:
         known = ", ".join(sorted(_BACKENDS))
-        raise ValueError(f"no kvbus transport for {url!r} (schemes: {known})") from None
+        raise ValueError(f"no kvbus transport for {redact_url(url)} (schemes: {known})") from None
     if isinstance(factory, str):
         module, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module), attr)

@@ -3,8 +3,7 @@
 ``tls://`` connects with TLS, and credentials in the URL are used the way nats-py uses
 them. Each kvbus stream is a JetStream stream ``KVBUS_<stream>`` on the subjects
 ``kvbus.<stream>.<source>`` (a ``.``, ``*`` or ``>`` in a source is %-escaped). It is
-created on first use with file storage; these query options set its limits, and an
-existing stream is updated to them when given:
+created on first use with file storage and these query options' limits:
 
 =================== ============================================================
 ``max_age``         seconds a message is kept (default: forever)
@@ -14,7 +13,15 @@ existing stream is updated to them when given:
 ``storage``         ``file`` (default) or ``memory``
 ``duplicate_window`` seconds the server remembers message ids (default 120)
 ``timeout``         seconds to wait for acks and API replies (default 5)
+``update_stream``   ``1``: change an existing stream's limits to these (default 0)
 =================== ============================================================
+
+Retention belongs to whoever creates the stream (the first client to use it: give
+publishers and readers the same URL) or runs with ``update_stream=1``: a client whose
+limits differ from an existing stream's changes nothing and logs the difference once,
+so a reader opened with ``?max_msgs=2`` cannot delete what others still need. kvbus
+asks nothing more of the server; NATS permissions are what stop a hostile client (deny
+``$JS.API.STREAM.UPDATE.KVBUS_*``, ``...DELETE`` and ``...PURGE`` to all but operators).
 
 Delivery: ``append`` returns once JetStream acknowledged every record (stored per the
 stream's storage and the server's ``sync_interval``; use ``sync_interval: always`` to
@@ -56,7 +63,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -86,6 +93,51 @@ _PULL_EXPIRES: Final = 30.0  # seconds the server holds a pull request that foun
 _CONSUMER_IDLE: Final = 120.0  # seconds without a pull request before a consumer is removed
 
 
+_LIMIT_OPTIONS: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
+    # URL option: (its StreamConfig field, how its text is read)
+    "max_age": ("max_age", float),
+    "max_bytes": ("max_bytes", int),
+    "max_msgs": ("max_msgs", int),
+    "replicas": ("num_replicas", int),
+    "duplicate_window": ("duplicate_window", float),
+    "storage": ("storage", api.StorageType),
+}
+_OPTION_OF_FIELD: Final = {field: option for option, (field, _) in _LIMIT_OPTIONS.items()}
+_limits_kept_warned: set[tuple[str, str, str, str]] = set()
+"""The limit mismatches already logged: a process that opens many transports says each
+once. Keyed by what the URLs configure, not by anything from the network."""
+
+
+def _take_option(
+    query: dict[str, str], option: str, convert: Callable[[str], Any], url: str
+) -> Any:
+    """``query``'s ``option`` (removed from it) converted, or None when absent; a value
+    that does not convert is a ValueError naming it, the URL's credentials hidden."""
+    if option not in query:
+        return None
+    text = query.pop(option)
+    try:
+        return convert(text)
+    except ValueError:
+        raise ValueError(f"bad nats:// option {option}={text!r} in {redact_url(url)}") from None
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(text)
+
+
+def _describe_limits(limits: dict[str, Any]) -> str:
+    """``max_msgs=2, storage=file``: limits by StreamConfig field, as a URL names them."""
+    return ", ".join(
+        f"{_OPTION_OF_FIELD.get(field, field)}={getattr(value, 'value', value)}"
+        for field, value in sorted(limits.items())
+    )
+
+
 def _subject_token(source: str) -> str:
     return quote(source, safe="").replace(".", "%2E").replace("*", "%2A").replace(">", "%3E")
 
@@ -99,20 +151,18 @@ class NatsTransport(Transport):
         prefix = f"{parts.scheme}://{credentials + '@' if credentials else ''}"
         self.servers = [prefix + host for host in hosts.split(",")]
         self._display = redact_url(f"{parts.scheme}://{netloc}")
-        self.timeout = float(query.pop("timeout", DEFAULT_TIMEOUT))
+        timeout = _take_option(query, "timeout", float, url)
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+        self._update_stream = bool(_take_option(query, "update_stream", _flag, url))
         self._limits: dict[str, Any] = {}
-        for key, convert in (
-            ("max_age", float),
-            ("max_bytes", int),
-            ("max_msgs", int),
-            ("replicas", int),
-            ("duplicate_window", float),
-            ("storage", api.StorageType),
-        ):
-            if key in query:
-                self._limits["num_replicas" if key == "replicas" else key] = convert(query.pop(key))
+        """The URL's limits by StreamConfig field: a new stream's, or an existing one's
+        with ``update_stream``."""
+        for option, (field, convert) in _LIMIT_OPTIONS.items():
+            value = _take_option(query, option, convert, url)
+            if value is not None:
+                self._limits[field] = value
         if query:
-            raise ValueError(f"unknown nats:// options {sorted(query)} in {url!r}")
+            raise ValueError(f"unknown nats:// options {sorted(query)} in {redact_url(url)}")
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._ready: set[str] = set()
@@ -161,24 +211,59 @@ class NatsTransport(Transport):
         log.warning("kvbus: nats reconnected")
 
     async def _stream(self, stream: str) -> str:
-        """The JetStream stream's name, created (or updated to the URL's limits) once."""
+        """The JetStream stream's name, created with the URL's limits (an existing one
+        changed to them only with ``update_stream``) once."""
         name = f"KVBUS_{stream}"
         if stream in self._ready:
             return name
         js = await self._connect()
         try:
-            info = await js.stream_info(name)
-            changed = {k: v for k, v in self._limits.items() if getattr(info.config, k, None) != v}
-            if changed:
-                await js.update_stream(info.config.evolve(**changed))
+            await self._check_limits(js, name, (await js.stream_info(name)).config)
         except nats.js.errors.NotFoundError:
             config = {"storage": api.StorageType.FILE, **self._limits}
             try:
                 await js.add_stream(name=name, subjects=[f"kvbus.{stream}.>"], **config)
-            except nats.js.errors.BadRequestError:  # created meanwhile by another client
-                pass
+            except nats.js.errors.BadRequestError as refused:
+                # Created meanwhile by another client, with its own limits; or refused
+                # (a limit the server cannot meet), which leaves no stream to use.
+                try:
+                    existing = (await js.stream_info(name)).config
+                except nats.js.errors.NotFoundError:
+                    raise refused from None
+                await self._check_limits(js, name, existing)
         self._ready.add(stream)
         return name
+
+    async def _check_limits(
+        self, js: JetStreamContext, name: str, existing: api.StreamConfig
+    ) -> None:
+        """An existing stream's limits against the URL's: changed to them with
+        ``update_stream``, else kept, the difference logged once."""
+        wanted = {k: v for k, v in self._limits.items() if getattr(existing, k, None) != v}
+        if not wanted:
+            return
+        if self._update_stream:
+            await js.update_stream(existing.evolve(**wanted))
+            log.warning(
+                "kvbus: nats stream %s on %s: limits changed to %s (update_stream=1)",
+                name,
+                self._display,
+                _describe_limits(wanted),
+            )
+            return
+        kept = _describe_limits({k: getattr(existing, k, None) for k in wanted})
+        asked = _describe_limits(wanted)
+        if (self._display, name, asked, kept) in _limits_kept_warned:
+            return
+        _limits_kept_warned.add((self._display, name, asked, kept))
+        log.warning(
+            "kvbus: nats stream %s on %s keeps its limits %s, not the URL's %s "
+            "(a stream's limits are set when it is created; add update_stream=1 to change them)",
+            name,
+            self._display,
+            kept,
+            asked,
+        )
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:
         await self._stream(stream)

@@ -12,7 +12,11 @@ bytes untouched, so the subscriber counts and skips it like any bad message.
 
 Backends whose positions are integers give the n-th envelope of the pack stored at
 offset ``o`` the position ``o << 16 | n`` (see `position`), so a cursor can point
-inside a pack.
+inside a pack. That needs every index below ``1 << 16``: a stored array of more than
+`MAX_RECORDS` envelopes (which no kvbus publisher makes, but anyone allowed to publish
+can store) would give its last envelopes the positions of the next entry's, and a
+reader resuming after it would skip that entry. `unpack` therefore reads such an array
+as one bad entry, like any other thing stored that is not a pack.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ import msgspec
 from kvbus.transports import Record, RecordTooLarge
 
 MAX_RECORDS: Final = 1 << 16
-"""Most envelopes in one pack (the index must fit the low 16 bits of a position)."""
+"""Most envelopes in one pack (the index must fit the low 16 bits of a position): a
+stored array of more reads back as one bad entry."""
 DEFAULT_RECORDS: Final = 512
 """Envelopes a `kvbus.Publisher` hands one append by default (its ``max_batch``): the
 most a pack usually holds."""
 _OVERHEAD: Final = 5  # msgpack bin header per envelope, worst case
 _ARRAY_HEADER: Final = 5
+_ARRAY32: Final = b"\xdd"
+"""msgpack's array header with a 4-byte count: the only one that can exceed MAX_RECORDS
+(array16 counts to 65,535)."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(list[bytes])
@@ -77,7 +85,12 @@ def _pack(records: Sequence[Record]) -> Pack:
 
 
 def unpack(data: bytes) -> list[bytes]:
-    """The envelopes in a stored entry (the entry itself if it is not a pack)."""
+    """The envelopes in a stored entry: the entry itself if it is not a pack, or if it
+    claims more than `MAX_RECORDS` envelopes (their positions would overflow into the
+    next entry's; the subscriber counts the entry as malformed), told from its header
+    before anything is decoded."""
+    if data[:1] == _ARRAY32 and int.from_bytes(data[1:5], "big") > MAX_RECORDS:
+        return [data]
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, ValueError):
@@ -85,7 +98,8 @@ def unpack(data: bytes) -> list[bytes]:
 
 
 def position(offset: int, index: int) -> int:
-    """The integer position of envelope ``index`` in the pack stored at ``offset``."""
+    """The integer position of envelope ``index`` (below `MAX_RECORDS`, as `unpack`
+    guarantees) in the pack stored at ``offset``."""
     return offset << 16 | index
 
 
