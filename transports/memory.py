@@ -23,6 +23,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
 
+from kvbus.config import redact_url
+
 DEFAULT_MAXLEN = 100_000
 
 
@@ -98,7 +100,7 @@ class MemoryTransport(Transport):
         query = parse_qs(parts.query)
         self.maxlen = int(query.get("maxlen", [DEFAULT_MAXLEN])[0])
         if self.maxlen < 1:
-            raise ValueError(f"maxlen must be >= 1 in {url!r}")
+            raise ValueError(f"maxlen must be >= 1 in {redact_url(url)}")
         with _buses_lock:
             self._streams = _buses.setdefault(parts.netloc or "default", {})
 
