@@ -17,4 +17,5 @@ export PATH="$PWD/.venv/bin:$PATH"
 ruff check .
 ruff format --check .
 bash scripts/typecheck.sh
+bash scripts/sanitize.sh 45  # the C kernels fuzzed under ASan + UBSan (about a minute)
 python -m pytest "$@"

@@ -6,12 +6,18 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
+from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
 from kvbus.transports import zmq as zmq_transport
 
 import kvbus
+from kvbus.events import BlockRemoved, BlockStored, KVEventBatch, encode
+from kvbus.index import PrefixIndex
+from kvbus.snapshot import SourceFold
 
 from .conftest import kv_payload, last_seq_is, read_until, seqs
 from .servers import free_port
@@ -113,3 +119,103 @@ def test_a_subscriber_that_never_reads_costs_bounded_memory() -> None:
     # 900 MB were published; what stays is the ring (64 MiB), 16 MiB not yet sent, 16
     # MiB queued for the subscriber, and what the allocator keeps of freed memory.
     assert grown < 200 * 1024 * 1024, grown
+
+
+async def _ask_for_snapshots(port: int, peers: int, each: int) -> int:
+    """``peers`` peers (their own connections) each ask ``each`` times at once; returns
+    how many requests were answered (an end marker) before the endpoint fell silent."""
+    context = zmq.asyncio.Context.instance()
+    dealers = [context.socket(zmq.DEALER) for _ in range(peers)]
+    answered = 0
+    try:
+        for dealer in dealers:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(f"tcp://127.0.0.1:{port + 1}")
+            for n in range(each):
+                await dealer.send_multipart([str(n).encode(), b"kv", b"snapshots"])
+        for dealer in dealers:
+            while True:
+                try:
+                    reply = await asyncio.wait_for(dealer.recv_multipart(), 1.0)
+                except TimeoutError:
+                    break
+                answered += reply[1] == b"E"
+                if answered == peers * each:
+                    break
+    finally:
+        for dealer in dealers:
+            dealer.close(0)
+    return answered
+
+
+async def test_snapshot_requests_do_not_each_fold_the_engines_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every unauthenticated snapshot request used to take every snapshot anew, in the
+    engine's process and under the endpoint's lock (280 ms at 50k blocks). Snapshots
+    are now taken again only when the publishing paid for it (as many blocks folded as
+    are held), and a consumer starting from older ones still gets the exact state."""
+    taken = 0
+    events = SourceFold.events
+
+    def counted(fold: SourceFold) -> list[Any]:
+        nonlocal taken
+        taken += 1
+        return events(fold)
+
+    monkeypatch.setattr(SourceFold, "events", counted)
+    port = free_port(pair=True)
+    url = f"zmq://127.0.0.1:{port}?timeout=1&snapshots=1"
+    publisher = kvbus.Publisher(url, source="engine", max_batch=1)
+    truth = PrefixIndex()
+
+    def publish(first_hash: int, blocks: int) -> None:
+        batch = KVEventBatch(0.0, [BlockStored(
+            list(range(first_hash, first_hash + blocks)), None,
+            list(range(first_hash * 4, (first_hash + blocks) * 4)), 4, None, "GPU", None,
+        )])  # fmt: skip
+        publisher.publish(encode(batch))
+        truth.apply_events("engine", batch.events)
+        assert publisher.flush()
+
+    for n in range(100):
+        publish(n * 1000, 20)  # 2,000 blocks held
+    for n in range(30):  # 30 peers, the folds changed by one block before each
+        publish(10**6 + n * 1000, 1)
+        assert await _ask_for_snapshots(port, peers=1, each=1) == 1
+    assert taken == 1
+    # A consumer starting from those snapshots (30 blocks behind) reads the rest from
+    # the ring: the same state as one that saw everything.
+    consumer = PrefixIndex()
+    async for item in kvbus.subscribe(url=url, follow=False, snapshot=True):
+        consumer.apply(item)
+    assert consumer.blocks("engine") == truth.blocks("engine")
+    assert len(truth.blocks("engine")) == 2030
+    # Every block evicted: the folds changed by more blocks than they hold (the
+    # recently evicted included): taken again.
+    removed = KVEventBatch(0.0, [BlockRemoved(sorted(truth.blocks("engine")), "GPU")])
+    publisher.publish(encode(removed))
+    assert publisher.flush()
+    assert await _ask_for_snapshots(port, peers=1, each=1) == 1
+    assert taken == 2
+    publisher.close()
+
+
+async def test_a_peer_flooding_snapshot_requests_is_refused() -> None:
+    """One peer's 50 snapshot requests at once used to be answered 50 times, each
+    with every snapshot (a 100-byte request, megabytes sent)."""
+    port = free_port(pair=True)
+    url = f"zmq://127.0.0.1:{port}?timeout=1&snapshots=1"
+    publisher = kvbus.Publisher(url, source="engine")
+    publisher.publish(kv_payload(1, blocks=16))
+    assert publisher.flush()
+    started = time.monotonic()
+    answered = await _ask_for_snapshots(port, peers=1, each=50)
+    refills = int(time.monotonic() - started) + 1  # one more each second, at most
+    server = _server(port)
+    assert answered + server.refused_requests == 50
+    assert 4 <= answered <= 4 + refills  # the burst, then one a second
+    # Another peer is served as before: its snapshot holds the 16 blocks.
+    snapshots = await kvbus.transports.open_transport(url).get_snapshots("kv")
+    assert set(snapshots) == {"engine", "_cursor"}
+    publisher.close()

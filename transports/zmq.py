@@ -35,7 +35,15 @@ With ``snapshots=1`` the publishing process also folds the kv batches it publish
 `kvbus.snapshot.PublishedFolds`) and serves each source's snapshot to
 ``subscribe(snapshot=True)``: zmq has no server to keep them, and no compactor can see
 what was published before it started. It costs the publisher's sender thread about 30
-µs per 16-block batch (BENCHMARKS.md), so it is off by default.
+µs per 16-block batch (BENCHMARKS.md), so it is off by default. A snapshot request is
+unauthenticated, so it costs the publishing process nothing in the size of its folds:
+the endpoint serves the snapshots it took last, outside its lock, and takes them again
+only when the folds changed by as many blocks as they hold, or when the ring no longer
+holds what follows their cursor (`kvbus.snapshot.PublishedFolds.due`), so taking them
+is paid for by the publishing, not by the requests. A peer may ask for snapshots 4
+times at once, then once a second (more is refused unanswered, counted in
+``refused_requests``); what it is sent is queued on its connection, at most ``hwm``
+frames.
 
 Several publishers in one process (the KV and metrics streams of one engine) share one
 bound endpoint. Delivery: an append is stored in the publishing process's ring and
@@ -64,6 +72,7 @@ import zmq.asyncio
 from kvbus.transports import LATEST, Entry, Position, Record, Transport
 from kvbus.transports.packing import Pack, entries_after, make_packs, position, split_position
 
+from kvbus.config import redact_url
 from kvbus.logs import LimitedLog
 from kvbus.snapshot import CURSOR_NAME, PublishedFolds
 
@@ -82,6 +91,9 @@ _MAX_REPLAYS: Final = 64
 _OUTBOX_BYTES: Final = 16 * 1024 * 1024  # appended, not yet sent live
 _MAX_REQUEST_BYTES: Final = 1024
 _MAX_OFFSET_DIGITS: Final = 20  # 2**64 - 1
+_SNAPSHOT_BURST: Final = 4  # snapshot requests one peer may make at once,
+_SNAPSHOT_REFILL_S: Final = 1.0  # and one more per this many seconds
+_MAX_PEERS_METERED: Final = 4096  # peers whose snapshot requests are remembered
 
 # Replay protocol (DEALER -> ROUTER): [request_id, stream, after], after being b"" (all),
 # b"$" (nothing, just the end marker) or an ASCII ring offset. Replies: [request_id,
@@ -161,6 +173,34 @@ class _Replay:
         self.next_offset = next_offset
 
 
+class _TakenSnapshots(NamedTuple):
+    """The snapshots of one stream as last taken, served until they are due again."""
+
+    work: int  # `PublishedFolds.work` when taken
+    offset: int | None  # ring offset of their cursor: due again once the ring drops it
+    replies: list[tuple[bytes, bytes]]  # (name, data)
+
+
+class _RequestBudget:
+    """How many snapshot requests each peer may still make: ``burst`` at once, one
+    more each ``refill`` seconds (a token bucket per peer identity), for the newest
+    ``peers`` peers (one forgotten asks afresh: each request costs O(1) anyway)."""
+
+    def __init__(self, burst: int, refill: float, peers: int) -> None:
+        self._burst, self._refill, self._peers = burst, refill, peers
+        self._left: collections.OrderedDict[bytes, tuple[float, float]] = collections.OrderedDict()
+
+    def take(self, peer: bytes) -> bool:
+        now = time.monotonic()
+        tokens, at = self._left.pop(peer, (float(self._burst), now))
+        tokens = min(float(self._burst), tokens + (now - at) / self._refill)
+        allowed = tokens >= 1
+        self._left[peer] = (tokens - 1 if allowed else tokens, now)
+        if len(self._left) > self._peers:
+            self._left.popitem(last=False)
+        return allowed
+
+
 class _Server:
     """PUB + replay ROUTER of one bound endpoint, served by one thread of its own.
 
@@ -202,6 +242,12 @@ class _Server:
         see the hole in the ring offsets and read them from the ring)."""
         self._replays: dict[bytes, _Replay] = {}  # by peer, oldest first
         self.refused_requests = 0
+        self._taken: dict[bytes, _TakenSnapshots] = {}  # by topic
+        self._snapshot_budget = _RequestBudget(
+            _SNAPSHOT_BURST, _SNAPSHOT_REFILL_S, _MAX_PEERS_METERED
+        )
+        self.snapshots_taken = 0
+        """Times this endpoint took a stream's snapshots (see `_snapshot_replies`)."""
         self._stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -294,16 +340,42 @@ class _Server:
                 self._start_replay(identity, request, stream, after)
 
     def _send_snapshots(self, identity: bytes, request: bytes, stream: bytes) -> None:
-        with self._lock:
-            folds = self._folds.get(_topic(stream)) if self._folds is not None else None
-            found = folds.snapshots() if folds is not None else {}
+        if not self._snapshot_budget.take(identity):
+            self.refused_requests += 1
+            _limited.warning("snapshots", "kvbus: zmq refused a peer's snapshot request")
+            return
         replay = _Replay(identity, request, stream, 0)
         try:
-            for name, data in found.items():
-                self._reply(replay, _SNAPSHOT, name.encode(), data)
+            for name, data in self._snapshot_replies(_topic(stream)):
+                self._reply(replay, _SNAPSHOT, name, data)
             self._reply(replay, _END, b"")
         except (zmq.Again, zmq.ZMQError):
             pass  # the peer is gone or does not read: it will ask again
+
+    def _snapshot_replies(self, topic: bytes) -> list[tuple[bytes, bytes]]:
+        """The stream's snapshots as last taken, taken again when due: then from a copy
+        of the folds made under the lock, encoded outside it (the engine's appends wait
+        for the lock, never for the encoding)."""
+        taken = self._taken.get(topic)
+        with self._lock:
+            folds = self._folds.get(topic) if self._folds is not None else None
+            if folds is None:
+                return []
+            ring = self._rings.get(topic)
+            if (
+                taken is not None
+                and not folds.due(taken.work)
+                and (taken.offset is None or ring is None or taken.offset >= ring.first)
+            ):
+                return taken.replies
+            frozen = folds.copy()
+        found = frozen.snapshots()
+        at = frozen.position
+        offset = split_position(at)[0] if isinstance(at, int) else None
+        replies = [(name.encode(), data) for name, data in found.items()]
+        self._taken[topic] = _TakenSnapshots(frozen.work, offset, replies)
+        self.snapshots_taken += 1
+        return replies
 
     def _start_replay(self, identity: bytes, request: bytes, stream: bytes, after: bytes) -> None:
         topic = _topic(stream)
@@ -581,7 +653,8 @@ class ZmqTransport(Transport):
         self.timeout = float(query.get("timeout", [DEFAULT_TIMEOUT])[0])
         self.snapshots = query.get("snapshots", ["0"])[0] in ("1", "true", "yes")
         if self.ring < 1 or self.ring_bytes < 1 or self.hwm < 0 or self.timeout <= 0:
-            raise ValueError(f"ring, ring_bytes, hwm and timeout must be positive in {url!r}")
+            shown = redact_url(url)
+            raise ValueError(f"ring, ring_bytes, hwm and timeout must be positive in {shown}")
         self._server: _Server | None = None
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:

@@ -1,0 +1,431 @@
+"""Fuzz the C kernels (a build of kvbus/_ckernels.c, normally under AddressSanitizer and
+UBSan: scripts/sanitize.sh) against their Python reference (kvbus/_kernels.py), for a
+fixed time. Every entry point that reads bytes or values from the network is fed
+valid envelopes and batches as kvbus and vLLM write them, mutated (bytes flipped, cut,
+appended, spliced, length headers forged with boundary values, nested deep, ints
+re-encoded wider), and random msgpack:
+
+* ``plain_kv_envelopes``: what it vouches for, msgspec accepts; alone or in lanes alike;
+* ``kv_run``: a subscription delivers and counts the same on either kernel (and direct
+  calls with odd starts, flags and limits hold only messages msgspec agrees with);
+* ``packed_token_bytes``, ``token_bytes``, ``chain``, ``store_new``,
+  ``drop_only_copies``: the same results (or exception types) and state as Python's,
+  and a whole `PrefixIndex` fed the same payloads ends the same on both.
+
+Usage: python scripts/fuzz_kernels_sanitize.py --module PATH.so [--seconds S] [--seed N].
+Exits 1 at the first disagreement (printing the input), 0 when the time is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import importlib.machinery
+import importlib.util
+import itertools
+import random
+import struct
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import msgspec
+from kvbus.transports import Entry
+from kvbus.transports.memory import MemoryTransport
+
+import kvbus
+import kvbus.index
+from kvbus import _kernels
+from kvbus.envelope import ENVELOPE_DECODER, SCHEMA_VERSION, Envelope, Kind, encode_envelope
+from kvbus.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    check_kv_batch,
+    decode_packed_kv_batch,
+    encode,
+)
+from kvbus.index import PrefixIndex
+from kvbus.subscribe import Message
+
+subscribe_module = sys.modules["kvbus.subscribe"]
+_pack = msgspec.msgpack.encode
+EPOCH = 1_700_000_000_000_000_000
+
+
+class Disagreement(Exception):
+    pass
+
+
+def load(path: str) -> ModuleType:
+    """The kernels built at ``path`` (its init is ``PyInit__ckernels``), as a module of
+    their own: the installed ``kvbus._ckernels`` is left alone."""
+    loader = importlib.machinery.ExtensionFileLoader("_ckernels", path)
+    spec = importlib.util.spec_from_file_location("_ckernels", path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+# --- inputs ----------------------------------------------------------------------------
+
+BOUNDARY_COUNTS = [0, 1, 15, 16, 31, 32, 127, 128, 255, 256, 0xFFFF, 0x10000, 2**31 - 1,
+                   2**31, 2**32 - 1]  # fmt: skip
+# msgpack headers that carry a length, with the width of the length after them
+LENGTH_HEADERS = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4, 0xDC: 2, 0xDD: 4,
+                  0xDE: 2, 0xDF: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4}  # fmt: skip
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    roll = rng.random()
+    if depth > 4 or roll < 0.55:
+        return rng.choice([
+            None, True, False, rng.randint(-(2**63), 2**64 - 1), rng.randint(-40, 300),
+            rng.random() * 10**rng.randint(-5, 30), "x" * rng.randint(0, 40),
+            bytes(rng.randint(0, 300)), msgspec.msgpack.Ext(rng.randint(-128, 127), b"ab"),
+            rng.choice(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "CPU"]),
+        ])  # fmt: skip
+    if roll < 0.85:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 12))]
+    return {str(rng.randint(0, 9)): random_value(rng, depth + 1) for _ in range(rng.randint(0, 5))}
+
+
+def kv_events(rng: random.Random) -> list[Any]:
+    events: list[Any] = []
+    for _ in range(rng.randint(0, 6)):
+        roll = rng.random()
+        blocks = rng.randint(1, 20)
+        size = rng.choice([1, 4, 16])
+        first = rng.randint(0, 50)
+        hashes: list[Any] = list(range(first, first + blocks))
+        if rng.random() < 0.2:
+            hashes = [h.to_bytes(32, "big") for h in hashes]
+        medium = rng.choice(["GPU", "CPU", None])
+        if roll < 0.6:
+            tokens = [rng.choice([0, 127, 128, 65535, 65536, 2**32 - 1, rng.randint(0, 99)])
+                      for _ in range(blocks * size)]  # fmt: skip
+            parent = None if rng.random() < 0.5 else first - 1
+            extra = [[rng.randint(0, 5)] for _ in range(blocks)] if rng.random() < 0.1 else None
+            events.append(BlockStored(hashes, parent, tokens, size, None, medium, None,
+                                      extra_keys=extra))  # fmt: skip
+        elif roll < 0.7:
+            events.append(BlockStored(hashes, None, [], 0, None, "CPU", None))  # tokenless
+        elif roll < 0.9:
+            events.append(BlockRemoved(hashes, medium))
+        else:
+            events.append(AllBlocksCleared())
+    return events
+
+
+def payload(rng: random.Random) -> bytes:
+    """A KV batch as kvbus writes it, as vLLM's older dialect does, or made up."""
+    roll = rng.random()
+    if roll < 0.7:
+        return encode(KVEventBatch(rng.random() * 2e9, kv_events(rng)))
+    if roll < 0.8:  # before vLLM 0.26: tagged arrays, fewer fields
+        tokens = list(range(rng.choice([0, 16, 32])))
+        return _pack([1.5, [["BlockStored", [1, 2], None, tokens, 16, None],
+                            ["AllBlocksCleared"]], None])  # fmt: skip
+    fields: list[Any] = [rng.choice([1.5, 7, -1, None]), [random_value(rng) for _ in range(3)]]
+    if rng.random() < 0.5:
+        fields.append(random_value(rng))
+    return _pack(fields)
+
+
+def wider_ints(data: bytes, rng: random.Random) -> bytes:
+    """``data`` with one small positive fixint re-encoded in a wider int encoding."""
+    spots = [i for i, b in enumerate(data) if b < 0x80]
+    if not spots:
+        return data
+    i = rng.choice(spots)
+    tag, fmt = rng.choice([(0xCC, ">B"), (0xCD, ">H"), (0xCE, ">I"), (0xCF, ">Q"),
+                           (0xD0, ">b"), (0xD1, ">h"), (0xD2, ">i"), (0xD3, ">q")])  # fmt: skip
+    return data[:i] + bytes([tag]) + struct.pack(fmt, data[i]) + data[i + 1 :]
+
+
+def mutate(data: bytes, rng: random.Random, other: bytes) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        how = rng.randrange(9)
+        if how == 0 and out:  # flip bytes
+            out[rng.randrange(len(out))] = rng.randrange(256)
+        elif how == 1:  # cut
+            del out[rng.randint(0, len(out)) :]
+        elif how == 2:  # append
+            out += rng.randbytes(rng.randint(1, 16))
+        elif how == 3:  # splice another input in
+            at = rng.randint(0, len(out))
+            out[at:at] = other[rng.randint(0, len(other)) :][: rng.randint(1, 64)]
+        elif how == 4 and out:  # forge a length header with a boundary value
+            at = rng.randrange(len(out))
+            tag = rng.choice(list(LENGTH_HEADERS))
+            width = LENGTH_HEADERS[tag]
+            count = rng.choice([*BOUNDARY_COUNTS, len(out) - at, len(out) - at + 1])
+            count &= (1 << (8 * width)) - 1
+            out[at : at + 1 + width] = bytes([tag]) + count.to_bytes(width, "big")
+        elif how == 5 and out:  # a fix-array/map/str header forged
+            at = rng.randrange(len(out))
+            out[at] = rng.choice([0x90, 0x9F, 0x80, 0x8F, 0xA0, 0xBF]) | rng.randrange(16)
+        elif how == 6:  # nest deep
+            at = rng.randint(0, len(out))
+            out[at:at] = b"\x91" * rng.choice([31, 32, 33, 200, 3000])
+        elif how == 7:
+            out = bytearray(wider_ints(bytes(out), rng))
+        elif out:  # delete a span
+            at = rng.randrange(len(out))
+            del out[at : at + rng.randint(1, 8)]
+    return bytes(out)
+
+
+def an_envelope(rng: random.Random, source: str = "a", seq: int | None = None) -> bytes:
+    fields = Envelope(
+        rng.choice([SCHEMA_VERSION] * 8 + [2]),
+        rng.choice([Kind.KV] * 8 + [Kind.METRICS, Kind.CONTROL]),
+        source,
+        EPOCH,
+        rng.randint(1, 10**6) if seq is None else seq,
+        rng.random() * 2e9,
+        payload(rng),
+        rng.choice([0] * 8 + [1, 3]),
+    )
+    return encode_envelope(fields)
+
+
+def maybe_mutated(data: bytes, rng: random.Random, odds: float, other: bytes) -> bytes:
+    return mutate(data, rng, other) if rng.random() < odds else data
+
+
+# --- checks, one per entry point -------------------------------------------------------
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "ok", call()
+    except ValueError:  # msgspec's DecodeError and ValidationError are ValueErrors
+        return "ValueError", None
+    except Exception as error:
+        return type(error).__name__, None
+
+
+def same(name: str, c: Any, py: Any, *shown: Any) -> None:
+    if c != py:
+        raise Disagreement(f"{name}: C {c!r:.300} != Python {py!r:.300} for {shown!r:.2000}")
+
+
+def msgspec_accepts(data: bytes) -> bool:
+    """What a 1 from plain_kv_envelopes promises: where msgspec decodes the envelope,
+    its payload checks."""
+    try:
+        envelope = ENVELOPE_DECODER.decode(data)
+    except (msgspec.DecodeError, ValueError):
+        return True
+    try:
+        check_kv_batch(envelope.payload)
+    except (msgspec.DecodeError, ValueError):
+        return False
+    return True
+
+
+def check_plain_kv_envelopes(k: ModuleType, rng: random.Random) -> None:
+    base = [an_envelope(rng) for _ in range(rng.randint(1, 12))]
+    data: list[Any] = [maybe_mutated(d, rng, 0.6, rng.choice(base)) for d in base]
+    if rng.random() < 0.05:
+        data.append(rng.choice(["not bytes", None, 7, bytearray(b"\x97")]))
+    flags = k.plain_kv_envelopes(data)
+    same("plain_kv_envelopes length", len(flags), len(data), data)
+    for flag, entry in zip(flags, data, strict=True):
+        if flag and not (isinstance(entry, bytes) and msgspec_accepts(entry)):
+            raise Disagreement(f"plain_kv_envelopes vouched for what msgspec refuses: {entry!r}")
+    alone = b"".join(k.plain_kv_envelopes([entry]) for entry in data)
+    same("plain_kv_envelopes in lanes vs alone", flags, alone, data)
+
+
+def check_packed_token_bytes(k: ModuleType, rng: random.Random) -> None:
+    choices = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, -1]
+    ids = [rng.choice([*choices, rng.randint(-(2**63), 2**64 - 1)]) for _ in range(20)]
+    del ids[rng.randint(0, 20) :]
+    packed = _pack(ids)
+    for _ in range(rng.randint(0, 3)):
+        packed = wider_ints(packed, rng)
+    packed = maybe_mutated(packed, rng, 0.5, _pack(random_value(rng)))
+    arg: Any = msgspec.Raw(packed) if rng.random() < 0.3 else packed
+    same("packed_token_bytes", outcome(lambda: k.packed_token_bytes(arg)),
+         outcome(lambda: _kernels.packed_token_bytes(arg)), packed)  # fmt: skip
+    # token_ids as a batch read packed carries them (network bytes, Raw)
+    decoded = outcome(lambda: decode_packed_kv_batch(maybe_mutated(payload(rng), rng, 0.3, packed)))
+    if decoded[0] == "ok" and decoded[1] is not None:
+        for event in decoded[1].events:
+            raw = getattr(event, "token_ids", None)
+            if isinstance(raw, msgspec.Raw):
+                same("packed_token_bytes (a batch's)", outcome(lambda: k.packed_token_bytes(raw)),  # noqa: B023
+                     outcome(lambda: _kernels.packed_token_bytes(raw)), bytes(raw))  # noqa: B023  # fmt: skip
+
+
+def check_token_bytes_and_chain(k: ModuleType, rng: random.Random) -> None:
+    ids: list[Any] = [rng.choice([0, 300, 2**32 - 1, 2**32, -1, 2**70, True, rng.randint(0, 9)])
+                      for _ in range(rng.randint(0, 40))]  # fmt: skip
+    if rng.random() < 0.05:
+        ids.append(rng.choice([1.5, "1", None]))
+    same("token_bytes", outcome(lambda: k.token_bytes(ids)),
+         outcome(lambda: _kernels.token_bytes(ids)), ids)  # fmt: skip
+    data = rng.randbytes(rng.randint(0, 300))
+    step = rng.choice([-3, 0, 1, 4, 7, 64, rng.randint(1, 400)])
+    parent = rng.choice([0, -1, 2**63 - 1, -(2**63), rng.randint(-(2**63), 2**63)])
+    same("chain", outcome(lambda: k.chain(data, step, parent)),
+         outcome(lambda: _kernels.chain(data, step, parent)), data, step, parent)  # fmt: skip
+
+
+def check_store_and_drop(k: ModuleType, rng: random.Random) -> None:
+    def a_hash() -> Any:
+        return rng.randint(0, 12) if rng.random() < 0.7 else rng.randbytes(rng.randint(1, 2))
+
+    known = {a_hash(): rng.randint(0, 12) for _ in range(rng.randint(0, 8))}
+    held = {rng.randint(0, 12): rng.choice([1, 2, 1 << 21, (1 << 21) + 1]) for _ in range(6)}
+    masks = {rng.randint(0, 12): rng.randint(1, 2**72) for _ in range(rng.randint(0, 8))}
+    hashes = [a_hash() for _ in range(rng.randint(0, 6))]
+    keys = [rng.randint(0, 12) for _ in range(rng.randint(0, 7))]
+    bit, unit = rng.choice([1, 2, 1 << 70]), rng.choice([1, 1 << 21, 1 << 42])
+    for name, args in (("store_new", (hashes, keys, bit, unit)),
+                       ("drop_only_copies", (hashes, bit, unit))):  # fmt: skip
+        results = []
+        for kernels in (k, _kernels):
+            state = copy.deepcopy((known, held, masks))
+            result = outcome(lambda: getattr(kernels, name)(*state, *args))  # noqa: B023
+            results.append((result, state))
+        same(name, results[0], results[1], (known, held, masks), args)
+
+
+def check_index_payloads(k: ModuleType, rng: random.Random) -> None:
+    """A PrefixIndex fed the same (mutated) payloads on either kernel ends the same."""
+    payloads = [maybe_mutated(payload(rng), rng, 0.3, b"") for _ in range(rng.randint(1, 8))]
+    states = []
+    in_use, block_size = kvbus.index.kernels, rng.choice([None, 4, 16])
+    for kernels in (k, _kernels):
+        kvbus.index.kernels = kernels
+        try:
+            index = PrefixIndex(block_size)
+            results = [outcome(lambda: index.apply_payload("w", p)) for p in payloads]  # noqa: B023
+            queries = [index.match(list(range(n, n + 64))) for n in (0, 16)]
+            states.append((results, dict(index._masks), queries, index.malformed,
+                           index.unchained, index.unknown_removals))  # fmt: skip
+        finally:
+            kvbus.index.kernels = in_use
+    same("PrefixIndex.apply_payload", states[0], states[1], payloads)
+
+
+class _Crafted(MemoryTransport):
+    """Hands over crafted entries in pages of the given sizes."""
+
+    _names = itertools.count()
+
+    def __init__(self, entries: list[Entry], sizes: list[int]) -> None:
+        super().__init__(f"memory://sanitize{next(self._names)}")
+        self.entries, self.sizes = entries, sizes
+
+    async def read_pages(
+        self, stream: str, after: Any = None, *, follow: bool = False
+    ) -> AsyncIterator[Sequence[Entry]]:
+        start = 0
+        for size in itertools.cycle(self.sizes):
+            if start >= len(self.entries):
+                return
+            yield self.entries[start : start + size]
+            start += size
+
+
+def delivered(kernels: ModuleType, entries: list[Entry], sizes: list[int]) -> Any:
+    saved = subscribe_module.kernels
+    subscribe_module.kernels = kernels
+    try:
+
+        async def read() -> Any:
+            sub = kvbus.subscribe("s", transport=_Crafted(entries, sizes), follow=False,
+                                  gap_timeout=0, max_message_bytes=2000)  # fmt: skip
+            items = [
+                (i.source, i.epoch, i.seq, i.kind, i.ts, i.payload, i.position)
+                if isinstance(i, Message)
+                else i
+                async for i in sub
+            ]
+            await sub.aclose()
+            return items, sub.stats
+
+        return asyncio.run(read())
+    finally:
+        subscribe_module.kernels = saved
+
+
+def check_kv_run(k: ModuleType, rng: random.Random) -> None:
+    entries: list[Entry] = []
+    seqs = {"a": 0, "b": 0, "é": 0}
+    source = "a"
+    for position in range(1, rng.randint(1, 300)):
+        if rng.random() < 0.25:
+            source = rng.choice(list(seqs))
+        seqs[source] = max(1, seqs[source] + rng.choice([1] * 20 + [0, 2, -3]))
+        data = an_envelope(rng, source, seqs[source])
+        data = maybe_mutated(data, rng, 0.08, data)
+        entries.append(Entry(position, data, rng.choice([None] * 6 + [source, "b"])))
+    sizes = [rng.randint(1, 300) for _ in range(rng.randint(1, 4))]
+    same("subscription (kv_run)", delivered(k, entries, sizes), delivered(_kernels, entries, sizes),
+         entries, sizes)  # fmt: skip
+    # Direct calls with odd arguments: whatever run comes back holds messages as
+    # msgspec reads the entries.
+    vouched = k.plain_kv_envelopes([e.data for e in entries])
+    if rng.random() < 0.3:
+        vouched = bytes(rng.choice([0, 1]) for _ in range(rng.randint(0, len(entries) + 3)))
+    start = rng.choice([0, rng.randint(-3, len(entries) + 3)])
+    limit: Any = rng.choice([10**6, 0, -1, 2**70, -(2**70), rng.randint(0, 3000), 1.5])
+    run = outcome(lambda: k.kv_run(entries, start, vouched, limit, SCHEMA_VERSION, Message,
+                                   Kind.KV, None, rng.randint(0, 9), None))  # fmt: skip
+    if run[0] == "ok" and run[1] is not None:
+        for message, _, _ in run[1][3]:
+            i = next(i for i, e in enumerate(entries) if e.position == message.position)
+            envelope = ENVELOPE_DECODER.decode(entries[i].data)
+            got = (message.source, message.epoch, message.seq, message.ts, message.payload)
+            want = (envelope.source, envelope.epoch, envelope.seq, envelope.ts, envelope.payload)
+            same("kv_run message vs msgspec", got, want, entries[i].data)
+
+
+# Each check and its share of the time: most for the walks over whole envelopes.
+CHECKS: dict[str, tuple[Callable[[ModuleType, random.Random], None], float]] = {
+    "plain_kv_envelopes": (check_plain_kv_envelopes, 0.25),
+    "kv_run": (check_kv_run, 0.3),
+    "packed_token_bytes": (check_packed_token_bytes, 0.15),
+    "token_bytes+chain": (check_token_bytes_and_chain, 0.075),
+    "store_new+drop_only_copies": (check_store_and_drop, 0.075),
+    "PrefixIndex.apply_payload": (check_index_payloads, 0.15),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
+    parser.add_argument("--module", required=True, help="a build of kvbus/_ckernels.c")
+    parser.add_argument("--seconds", type=float, default=45.0)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(2**32)
+    kernels = load(args.module)
+    print(f"fuzz: kernels {args.module}, seed {seed}, {args.seconds:g} s", flush=True)
+    runs = dict.fromkeys(CHECKS, 0)
+    for n, (name, (check, share)) in enumerate(CHECKS.items()):
+        rng = random.Random(seed + n)
+        until = time.monotonic() + share * args.seconds
+        while time.monotonic() < until:
+            try:
+                check(kernels, rng)
+            except Disagreement as error:
+                print(f"fuzz: DISAGREEMENT in {name} (seed {seed}): {error}", flush=True)
+                return 1
+            runs[name] += 1
+    print("fuzz: " + ", ".join(f"{name} {count} rounds" for name, count in runs.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
