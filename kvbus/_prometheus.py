@@ -12,6 +12,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvbus import metrics
 from kvbus.metrics import (
     APPEND_BUCKETS,
     PublisherSample,
@@ -44,6 +45,15 @@ class BusCollector(Collector):
         yield from _publisher_metrics(list(publishers.values()))
         subscribers = merge_subscribers(s for r in reports for s in r.subscribers)
         yield from _subscriber_metrics(list(subscribers.values()))
+        skipped = CounterMetricFamily(
+            "kvbus_metrics_reports_skipped",
+            "Files in KVBUS_METRICS_DIR not read, by reason (see kvbus.metrics).",
+            labels=["reason"],
+        )
+        # A copy (atomic): another scrape's thread may be adding a reason.
+        for reason, count in sorted(dict(metrics.skipped_reports).items()):
+            skipped.add_metric([reason], count)
+        yield skipped
 
 
 def _publisher_metrics(samples: list[PublisherSample]) -> Iterator[Metric]:

@@ -20,6 +20,8 @@ Series (labels ``stream`` and ``source`` for publishers, ``stream`` for subscrib
   ``_send_errors_total``, ``_reconnects_total`` (appends that succeeded after failures:
   the backend came back), ``_queue_messages`` and ``_queue_bytes`` (waiting to be sent),
   ``_append_seconds`` (histogram: one append from its first try to its acknowledgement).
+- ``kvbus_metrics_reports_skipped_total{reason}``: files in ``KVBUS_METRICS_DIR`` this
+  process did not read, and why (see `skipped_reports`).
 - ``kvbus_subscriber_delivered_total``, ``_resyncs_total{reason}``,
   ``_gaps_total{outcome="repaired"|"lost"}``, ``_duplicates_total``,
   ``_rejected_total{reason}`` (malformed, oversized, future_version, unknown_kind,
@@ -35,8 +37,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import logging
 import os
+import re
+import stat
 import tempfile
 import threading
 import time
@@ -47,6 +52,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgspec
 
+from kvbus.logs import LimitedLog, shown
+
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
@@ -54,6 +61,7 @@ if TYPE_CHECKING:
     from kvbus.subscribe import Subscription, SubscriptionStats
 
 log = logging.getLogger("kvbus.metrics")
+_limited = LimitedLog(log)
 _S = TypeVar("_S", bound=msgspec.Struct)
 
 METRICS_DIR_ENV: Final = "KVBUS_METRICS_DIR"
@@ -62,6 +70,9 @@ APPEND_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 REPORT_INTERVAL: Final = 1.0
 MAX_REPORT_BYTES: Final = 1 << 20
 """A report file larger than this is not read (they are a few hundred bytes per object)."""
+MAX_REPORT_FILES: Final = 1024
+"""Report files read per scrape at most (one per process that publishes or subscribes:
+a vLLM server has a handful); the rest are skipped and counted."""
 
 
 class LatencyHistogram:
@@ -272,31 +283,107 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_REPORT_SUFFIX: Final = ".msgpack"
+_PID_NAME: Final = re.compile(r"[0-9]{1,10}")
+_MAX_PID: Final = 2**31 - 1
+"""A pid_t is an int32: a larger number names no process (and os.kill cannot take it)."""
+
+skipped_reports: dict[str, int] = {}
+"""Report files in ``KVBUS_METRICS_DIR`` skipped, by reason (this process's count, served
+as ``kvbus_metrics_reports_skipped_total``): ``name`` (not ``<pid>.msgpack`` with a pid
+in range), ``not_file`` (a FIFO, a link, a directory...), ``oversized`` (over
+`MAX_REPORT_BYTES`), ``malformed`` (unreadable or not a `Report`), ``mismatched`` (a
+pid other than its name's, or another number of histogram buckets: another kvbus
+version), ``too_many`` (past `MAX_REPORT_FILES`)."""
+_skipped_lock = threading.Lock()
+
+
+def _skip(reason: str, name: str, detail: object = "") -> None:
+    with _skipped_lock:
+        skipped_reports[reason] = skipped_reports.get(reason, 0) + 1
+    _limited.warning(
+        f"report_{reason}", "kvbus: metrics report %s skipped (%s) %s", shown(name), reason, detail
+    )
+
+
 def reports_in(directory: str | os.PathLike[str]) -> Iterator[Report]:
     """The reports of other live processes in ``directory``; those of dead processes are
-    removed, unreadable ones skipped."""
+    removed. Any other file is skipped and counted (`skipped_reports`), whatever it is
+    or holds: one bad file costs what reading `MAX_REPORT_BYTES` does, never a scrape."""
     own = os.getpid()
-    for path in Path(directory).glob("*.msgpack"):
-        try:
-            pid = int(path.stem)
-        except ValueError:
-            continue
-        if pid == own:
-            continue
-        if pid <= 0 or not _alive(pid):
-            with contextlib.suppress(OSError):
-                path.unlink()
-            continue
-        try:
-            with path.open("rb") as f:
-                data = f.read(MAX_REPORT_BYTES + 1)
-            if len(data) > MAX_REPORT_BYTES:
+    read = 0
+    try:
+        listing = os.scandir(directory)
+    except OSError as error:  # not made yet, or gone with the front end
+        _limited.warning("report_dir", "kvbus: no metrics reports read: %s", error)
+        return
+    with listing as entries:
+        for entry in entries:
+            name = entry.name
+            if not name.endswith(_REPORT_SUFFIX):
+                continue  # the temporary files of `write_report`
+            stem = name[: -len(_REPORT_SUFFIX)]
+            pid = int(stem) if _PID_NAME.fullmatch(stem) else 0
+            if not 0 < pid <= _MAX_PID:
+                _skip("name", name)
                 continue
-            found = _report_decoder.decode(data)
-        except (OSError, msgspec.DecodeError):
-            continue
-        if found.pid == pid:
+            if pid == own:
+                continue
+            if not _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                continue
+            if read >= MAX_REPORT_FILES:
+                _skip("too_many", name)
+                continue
+            read += 1
+            found = _read_report(entry)
+            if found is None:
+                continue
+            if found.pid != pid or not _histograms_match(found):
+                _skip("mismatched", name)
+                continue
             yield found
+
+
+def _read_report(entry: os.DirEntry[str]) -> Report | None:
+    """The report in ``entry``, if it is a regular file of at most `MAX_REPORT_BYTES`
+    holding one. A FIFO is never opened for blocking reads (open would wait for a
+    writer), and a link is not followed."""
+    if not entry.is_file(follow_symlinks=False):
+        _skip("not_file", entry.name)
+        return None
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        descriptor = os.open(entry.path, flags)
+    except OSError as error:
+        _skip("not_file" if error.errno == errno.ELOOP else "malformed", entry.name, error)
+        return None
+    with open(descriptor, "rb", closefd=True) as file:
+        try:
+            # What it is now, not when listed: it may have been replaced since.
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode):
+                _skip("not_file", entry.name)
+                return None
+            data = file.read(MAX_REPORT_BYTES + 1)
+        except OSError as error:
+            _skip("malformed", entry.name, error)
+            return None
+    if len(data) > MAX_REPORT_BYTES:
+        _skip("oversized", entry.name)
+        return None
+    try:
+        return _report_decoder.decode(data)
+    except msgspec.DecodeError as error:
+        _skip("malformed", entry.name, error)
+        return None
+
+
+def _histograms_match(found: Report) -> bool:
+    """Whether every publisher of ``found`` has this version's histogram buckets."""
+    buckets = len(APPEND_BUCKETS) + 1
+    return all(len(p.append_counts) == buckets for p in found.publishers)
 
 
 # --- Prometheus -------------------------------------------------------------------------

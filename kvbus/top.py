@@ -73,6 +73,67 @@ _DIGITS: Final = re.compile(r"(\d+)")
 _MAX_WINDOW_RECORDS: Final = 4096
 """Load records kept per worker for the hit-rate window (the stat logger sends at most
 4 a second: 17 minutes of them)."""
+MAX_SHOWN_NAME: Final = 64
+"""Characters of a name from the network (a source, a medium) drawn at most; the middle
+of a longer one is elided."""
+
+
+# --- text from the network, made safe to show ------------------------------------------
+
+
+def displayable(text: str, limit: int = MAX_SHOWN_NAME) -> str:
+    """``text`` (a name from the network) as it may be drawn on a terminal.
+
+    Every character Python does not call printable is written as its escape (``\\x1b``,
+    ``\\u202e``): C0 and C1 controls, so ESC and with it every escape sequence (CSI,
+    OSC 52 clipboard writes, OSC 8 hyperlinks, titles, clear-screen), DEL, bidi
+    overrides, zero-width and other format characters, separators other than the
+    space. At most ``limit`` characters are kept (at least 8), the middle of a longer
+    text elided; the cost is O(limit) whatever the length of ``text``. It does not
+    escape rich markup: draw the result as a `rich.text.Text`, never as a markup
+    string."""
+    limit = max(8, limit)
+    text = _clip(text, limit)
+    if text.isprintable():
+        return text
+    escaped = "".join(c if c.isprintable() else _escape(c) for c in text)
+    return _clip(escaped, limit)
+
+
+def _escape(char: str) -> str:
+    return char.encode("unicode_escape").decode("ascii")
+
+
+def _clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    tail = (limit - 3) // 2
+    return f"{text[: limit - 3 - tail]}...{text[len(text) - tail :]}"
+
+
+_NOT_ASCII_PRINTABLE: Final = re.compile(r"[^\x20-\x7e]")
+
+
+def terminal_safe_json(document: bytes) -> bytes:
+    """``document`` (UTF-8 JSON) with every character that is not printable written as a
+    ``\\uXXXX`` escape: the same document to a JSON reader, and no control or format
+    character reaches a terminal it is printed on (msgspec escapes C0 controls only, not
+    DEL, C1 controls such as the 8-bit CSI, or bidi overrides)."""
+    if document.isascii() and b"\x7f" not in document:
+        return document  # the usual case: names in ASCII
+    text = _NOT_ASCII_PRINTABLE.sub(_json_escape, document.decode())
+    return text.encode()
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char.isprintable():
+        return char
+    code = ord(char)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # a UTF-16 surrogate pair, as JSON writes characters past the BMP
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 # --- the report (the JSON schema of `kvbus top --once --json`) -------------------------
@@ -542,7 +603,10 @@ def _media(report: TopReport) -> list[str]:
 
 
 def render(report: TopReport) -> RenderableType:
-    """The report as two header lines, a table and what it leaves out (rich)."""
+    """The report as two header lines, a table and what it leaves out (rich).
+
+    Names (sources, media, the URL) come from the network or a user: each is drawn
+    through `displayable`, as a `Text` (never parsed as markup)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -552,10 +616,12 @@ def render(report: TopReport) -> RenderableType:
         s.stats.malformed + s.stats.oversized + s.stats.implausible + s.stats.forged
         for s in (report.kv, report.metrics)
     )
-    blocks = "  ".join(f"{m} {_count(n)}" for m, n in totals.blocks.items() if n) or "0"
+    blocks = (
+        "  ".join(f"{displayable(m)} {_count(n)}" for m, n in totals.blocks.items() if n) or "0"
+    )
     title = Text.assemble(
         ("kvbus top  ", "bold"),
-        f"{report.url}  {totals.workers} workers ({totals.stale} not up)  ",
+        f"{displayable(report.url, 256)}  {totals.workers} workers ({totals.stale} not up)  ",
         (f"drops {totals.drops}", "red" if totals.drops else ""),
         "  ",
         (f"malformed {malformed}", "red" if malformed else ""),
@@ -569,12 +635,12 @@ def render(report: TopReport) -> RenderableType:
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("worker", no_wrap=True, overflow="ellipsis", max_width=40)
     for medium in media:
-        table.add_column(medium, justify="right")
+        table.add_column(Text(displayable(medium)), justify="right")
     for name in ("hit", "run", "wait", "KV use", "lag", "drops", "beat", "state"):
         table.add_column(name, justify="left" if name == "state" else "right")
     for view in report.workers:
         style = "" if view.state == "up" else "yellow"
-        cells = [view.source]
+        cells: list[RenderableType] = [Text(displayable(view.source))]
         cells += [_count(view.blocks.get(m, 0)) + ("" if view.blocks_exact else "~") for m in media]
         cells += [
             _percent(view.hit_rate),
@@ -681,7 +747,7 @@ async def _once(watcher: Watcher, args: argparse.Namespace) -> int:
         await asyncio.gather(following, return_exceptions=True)
     report = watcher.report(args.sort, args.rows)
     if args.json:
-        sys.stdout.buffer.write(_json.encode(report) + b"\n")
+        sys.stdout.buffer.write(terminal_safe_json(_json.encode(report)) + b"\n")
         return 0
     console = _console()
     console.print(render(report))
@@ -690,7 +756,8 @@ async def _once(watcher: Watcher, args: argparse.Namespace) -> int:
 
 async def _json_lines(watcher: Watcher, args: argparse.Namespace) -> int:
     def write() -> None:
-        sys.stdout.buffer.write(_json.encode(watcher.report(args.sort, args.rows)) + b"\n")
+        report = _json.encode(watcher.report(args.sort, args.rows))
+        sys.stdout.buffer.write(terminal_safe_json(report) + b"\n")
         sys.stdout.flush()
 
     await _every(args.interval, watcher, write)
@@ -747,5 +814,7 @@ __all__ = [
     "TopReport",
     "Watcher",
     "WorkerView",
+    "displayable",
     "render",
+    "terminal_safe_json",
 ]
