@@ -20,8 +20,8 @@ def shown(value: object) -> str:
 
 
 class LimitedLog:
-    """A logger that writes at most one warning per second per ``kind`` and says how
-    many of that kind it held back in between."""
+    """A logger that writes at most one line per ``interval`` seconds (default 1) per
+    ``kind`` and says how many of that kind it held back in between."""
 
     def __init__(self, logger: logging.Logger, interval: float = 1.0) -> None:
         self._logger = logger
@@ -30,6 +30,14 @@ class LimitedLog:
         self._held_back: dict[str, int] = {}
 
     def warning(self, kind: str, message: str, *args: object) -> None:
+        self._log(logging.WARNING, kind, message, args)
+
+    def info(self, kind: str, message: str, *args: object) -> None:
+        self._log(logging.INFO, kind, message, args)
+
+    def _log(self, level: int, kind: str, message: str, args: tuple[object, ...]) -> None:
+        if not self._logger.isEnabledFor(level):
+            return  # nothing shown: nothing to count as held back either
         now = time.monotonic()
         if now - self._last.get(kind, -self._interval) < self._interval:
             self._held_back[kind] = self._held_back.get(kind, 0) + 1
@@ -38,4 +46,4 @@ class LimitedLog:
         held_back = self._held_back.pop(kind, 0)
         if held_back:
             message += f" (and {held_back} more like it since the previous one shown)"
-        self._logger.warning(message, *args, stacklevel=2)
+        self._logger.log(level, message, *args, stacklevel=3)

@@ -28,11 +28,24 @@ O(1) time and memory:
   ``max_clock_skew``, or whose seq is more than a publisher could have reached since its
   epoch began (10 million messages a second), is rejected as implausible;
 * missing seqs are a range, never a set; a source holding more than 65,536 messages
-  back declares its gap lost at once;
-* gaps are searched for in history in one bounded pass for all sources: from the
-  earliest gapped source's position up to the live read's position;
-* at most ``max_sources`` sources are tracked: beyond that the least recently active are
-  forgotten (one that comes back gets a ``Resync(reason=JOINED)``);
+  back declares its gap lost at once, and when the messages held back for all gaps
+  exceed ``max_held_bytes`` (default 64 MiB) the oldest gaps are declared lost early
+  (``SubscriptionStats.gaps_declared_early``), each with its Resync;
+* gaps are searched for in history once each, in one pass for all the sources whose
+  gaps are new: from the earliest gapped source's position up to the newest message
+  held back for them, ending as soon as nothing is missing. A subscription reads at
+  most one history entry for such searches per entry it read live, beyond an allowance
+  of 65,536, and starts only when it may read 4,096 at least
+  (``SubscriptionStats.repair_entries``; a search cut short or skipped for it counts in
+  ``repairs_limited``, and its gaps are declared lost when they expire);
+* at most ``max_sources`` sources are tracked, whether or not they hold messages back:
+  beyond that the least recently active one is forgotten, in O(1) amortized (one
+  holding messages back first has its gap declared lost; one that comes back gets a
+  ``Resync(reason=JOINED)``);
+* with ``snapshot=True``, expiring gaps read the stored snapshots at most once a
+  second, and check only the snapshots of the sources involved, off the event loop;
+* a Resync is logged at INFO at most once a second per reason, with the count of those
+  left unlogged (all are counted in ``SubscriptionStats.resyncs``);
 * an envelope that claims a source other than the one the transport authenticated
   (`Entry.sender`: the NATS subject) is rejected as forged.
 """
@@ -44,7 +57,7 @@ import enum
 import heapq
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Collection, Sequence
 from typing import Any, Final, Literal, TypeAlias
 
@@ -79,6 +92,7 @@ from kvbus.events import (
 from kvbus.kernels import kernels
 from kvbus.logs import LimitedLog, shown
 from kvbus.retry import retry_forever
+from kvbus.shutdown import cancel_sticks, close_within
 from kvbus.snapshot import CURSOR_NAME, Snapshot, decode_snapshot
 from kvbus.transports import LATEST, Entry, Position, Transport, open_transport
 
@@ -89,9 +103,23 @@ DEFAULT_GAP_TIMEOUT: Final = 0.5
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 DEFAULT_MAX_SOURCES: Final = 10_000
 DEFAULT_MAX_CLOCK_SKEW: Final = 60.0
+DEFAULT_MAX_HELD_BYTES: Final = 64 * 1024 * 1024
 MAX_SOURCE_LENGTH: Final = 200
 _MAX_HELD: Final = 1 << 16
 """Messages held back for one source's gap before the gap is declared lost at once."""
+_HELD_OVERHEAD: Final = 256
+"""Bytes a held-back message is counted for beyond its payload (its envelope, its
+entry in the held map and heap), so that ``max_held_bytes`` bounds many small ones too."""
+_REPAIR_ALLOWANCE: Final = 1 << 16
+"""History entries a subscription's gap searches may read before it has read any entry
+live; each entry read live allows one more, up to this many saved. So that searching
+costs O(1) per message amortized, however many gaps a stream opens and however far
+back. A search starts only when it may read a sixteenth of this (4,096) at least: a
+backend fetches a page of history per round trip however few entries are wanted from
+it, so under a flood of gaps there is at most one search per 4,096 entries read live."""
+_SNAPSHOTS_REUSED_FOR: Final = 1.0
+"""Seconds the stored snapshots read for an expiring gap serve later ones (snapshot
+mode): reading them all again per gap would cost O(all snapshots) per hostile message."""
 _NS_PER_SEQ: Final = 100
 """A seq is plausible only if a publisher sending one message per 100 ns since its epoch
 began (10M/s, far beyond any real one) could have reached it."""
@@ -267,6 +295,16 @@ class SubscriptionStats(msgspec.Struct):
     """Envelopes that claim a source other than the one the transport authenticated."""
     evicted_sources: int = 0
     """Sources forgotten because more than ``max_sources`` were tracked."""
+    gaps_declared_early: int = 0
+    """Gaps declared lost before ``gap_timeout`` because what was held back for them
+    exceeded a limit: 65,536 messages for one source, or ``max_held_bytes`` in all."""
+    repair_entries: int = 0
+    """History entries read searching for missing seqs."""
+    repairs_limited: int = 0
+    """History searches cut short or skipped because the subscription had read as many
+    history entries as it may (one per entry read live, beyond 65,536)."""
+    snapshot_reads: int = 0
+    """Times the stored snapshots were read (``snapshot=True``)."""
     snapshots: int = 0
     """Snapshots delivered (``snapshot=True``)."""
     transport_errors: int = 0
@@ -281,6 +319,19 @@ class _Held(msgspec.Struct, gc=False):
     """Position of the live entry read just before this one."""
 
 
+class _HeldBytes:
+    """Bytes held back for gaps by all the sources of one subscription."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
+def _held_size(held: _Held) -> int:
+    return len(held.envelope.payload) + _HELD_OVERHEAD
+
+
 class _SourceState:
     __slots__ = (
         "active",
@@ -288,14 +339,24 @@ class _SourceState:
         "epoch",
         "gap_deadline",
         "held",
+        "held_bytes",
         "held_seqs",
         "name",
+        "newest",
         "position",
+        "searched_top",
         "seq",
+        "top",
     )
 
     def __init__(
-        self, name: str, epoch: int, seq: int, position: int | str | None, order: int
+        self,
+        name: str,
+        epoch: int,
+        seq: int,
+        position: int | str | None,
+        order: int,
+        held_bytes: _HeldBytes,
     ) -> None:
         self.name = name
         self.epoch = epoch
@@ -305,6 +366,14 @@ class _SourceState:
         """Messages above ``seq`` waiting for the seqs before them, by seq."""
         self.held_seqs: list[int] = []
         """The keys of ``held`` as a heap: its lowest in O(1) however many are held."""
+        self.held_bytes = held_bytes
+        self.top = 0
+        """The highest seq held (while any is)."""
+        self.newest: tuple[int, Position] | None = None
+        """(arrival order, position) of the newest message held that the live read
+        brought (while any is): where a history search for this gap can stop."""
+        self.searched_top = 0
+        """``top`` when history was last searched for this source's gap."""
         self.gap_deadline: float | None = None
         self.active = order
         """Arrival order of this source's newest message (for evicting the idlest)."""
@@ -313,14 +382,21 @@ class _SourceState:
         for this source's missing seqs starts (positions are opaque, orders compare)."""
 
     def hold(self, seq: int, held: _Held) -> None:
+        if not self.held:  # a new gap
+            self.top, self.newest, self.searched_top = seq, None, 0
         self.held[seq] = held
         heapq.heappush(self.held_seqs, seq)
+        self.held_bytes.total += _held_size(held)
+        self.top = max(self.top, seq)
+        if held.order is not None and (self.newest is None or held.order > self.newest[0]):
+            self.newest = (held.order, held.position)
 
     def take_next(self) -> _Held | None:
         """The held message of seq ``seq + 1``, if there is one (then the lowest held)."""
         held = self.held.pop(self.seq + 1, None)
         if held is not None:
             heapq.heappop(self.held_seqs)
+            self.held_bytes.total -= _held_size(held)
         return held
 
     def lowest(self) -> int:
@@ -328,21 +404,20 @@ class _SourceState:
 
     def drop_held_through(self, seq: int) -> None:
         while self.held_seqs and self.held_seqs[0] <= seq:
-            del self.held[heapq.heappop(self.held_seqs)]
+            self.held_bytes.total -= _held_size(self.held.pop(heapq.heappop(self.held_seqs)))
 
     def drop_held(self) -> None:
+        self.held_bytes.total -= sum(_held_size(held) for held in self.held.values())
         self.held.clear()
         self.held_seqs.clear()
 
     def missing(self) -> int:
         """How many seqs are missing below the highest held one."""
-        return max(self.held) - self.seq - len(self.held) if self.held else 0
+        return self.top - self.seq - len(self.held) if self.held else 0
 
 
 _SLICE: Final = 256
 """Entries of a page ingested at a time."""
-_CANCEL_AGAIN_AFTER: Final = 0.1
-"""Seconds `Subscription.aclose` gives its reader to end before cancelling it again."""
 _END: Final = object()
 _MALFORMED: Final = object()
 _KINDS: Final = {kind.value: kind for kind in Kind}
@@ -368,6 +443,7 @@ class Subscription:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_sources: int = DEFAULT_MAX_SOURCES,
         max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
+        max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
         snapshot: bool = False,
         transport: Transport | None = None,
     ) -> None:
@@ -381,10 +457,20 @@ class Subscription:
         self._max_sources = max(1, max_sources)
         self._snapshot = snapshot
         self._max_skew_ns = int(max_clock_skew * 1e9)
+        self._max_held_bytes = max_held_bytes
+        self._held_bytes = _HeldBytes()
         self._transport = transport or open_transport(self.url)
         self._states: dict[str, _SourceState] = {}
-        self._gapped: set[_SourceState] = set()  # sources waiting for missing seqs
+        # Every tracked source once, with its `active` when queued: the front is the
+        # least recently queued; one active since is queued again rather than evicted.
+        self._eviction_queue: deque[tuple[int, _SourceState]] = deque()
+        # Sources waiting for missing seqs, in the order their gaps opened: that of
+        # their deadlines (each is gap_timeout after the opening).
+        self._gapped: OrderedDict[_SourceState, None] = OrderedDict()
         self._repair_due: set[_SourceState] = set()  # new gaps not yet searched for
+        self._repair_credit = _REPAIR_ALLOWANCE  # history entries a search may read
+        self._recent_snapshots: dict[str, bytes] | None = None  # see _SNAPSHOTS_REUSED_FOR
+        self._snapshots_read_at = 0.0
         # What was yielded last per source: a message stands for its SourceCursor.
         self._yielded: dict[str, SourceCursor | Message] = {}
         if cursor == "latest":
@@ -396,7 +482,7 @@ class Subscription:
                 cursor = Cursor.from_bytes(cursor)
             self._start = cursor.position
             for name, c in cursor.sources.items():
-                self._states[name] = _SourceState(name, c.epoch, c.seq, c.position, -1)
+                self._track(name, c.epoch, c.seq, c.position, -1)
                 self._yielded[name] = c
         self._read_position: Position | None = self._start
         # Items to yield, each with its entry's arrival order and the position read just
@@ -442,7 +528,7 @@ class Subscription:
         if self._reader is None:
             if self._snapshot and self._start is None:
                 await self._start_from_snapshots()
-            self._reader = asyncio.create_task(self._read_live())
+            self._reader = cancel_sticks(self._read_live(), name=f"kvbus-reader-{self.stream}")
         while not self._ready:
             if self._page_index < len(self._page):
                 self._ingest_page()
@@ -455,7 +541,7 @@ class Subscription:
                 continue
             deadline = None
             if self._gapped:
-                deadline = min(s.gap_deadline or 0.0 for s in self._gapped)
+                deadline = next(iter(self._gapped)).gap_deadline or 0.0
                 if deadline <= time.monotonic():
                     await self._expire_gaps(force=False)
                     continue
@@ -537,16 +623,16 @@ class Subscription:
     async def aclose(self) -> None:
         reader = self._reader
         if reader is not None:
-            # Cancelled until it ends: a backend's client can swallow a cancellation
-            # that lands mid-command (redis-py does), and the reader would then go on
-            # to wait for a consumer that has left. Waited for with asyncio.wait, which
-            # leaves a cancellation of this call (a timeout around it) to its caller.
-            while not reader.done():
-                reader.cancel()
-                await asyncio.wait([reader], timeout=_CANCEL_AGAIN_AFTER)
+            # Its cancel sticks (kvbus.shutdown): it ends even when the backend's client
+            # swallows the cancel mid-command (redis-py and nats-py can), as it does
+            # when asyncio.run cancels a subscription never closed. Waited for with
+            # asyncio.wait, which leaves a cancellation of this call to its caller.
+            reader.cancel()
+            await asyncio.wait([reader])
             if not reader.cancelled() and reader.exception() is not None:
                 log.debug("kvbus: reader of %s ended with %r", self.stream, reader.exception())
-        await self._transport.aclose()
+        # Bounded: a close that waits on a stopped server or a cut network never ends.
+        await close_within(self._transport.aclose(), f"transport of stream {self.stream}")
 
     async def __aenter__(self) -> Subscription:
         return self
@@ -722,6 +808,7 @@ class Subscription:
         if not eager:
             self._delivered_undecoded += delivered
         self._arrivals = order
+        self._repair_credit = min(_REPAIR_ALLOWANCE, self._repair_credit + count)
         self._page_index = stop
         self._page_previous = self._read_position = previous
 
@@ -816,11 +903,7 @@ class Subscription:
         # A first message that is not seq 1 is an ordinary gap: the earlier seqs may
         # still arrive (reordered) or be in history; JOINED is declared only on expiry.
         if state is None:
-            if len(self._states) >= self._max_sources:
-                self._evict_sources()
-            state = self._states[source] = _SourceState(
-                source, envelope.epoch, 0, previous, order - 1
-            )
+            state = self._track(source, envelope.epoch, 0, previous, order - 1)
         elif envelope.epoch < state.epoch:
             self.stats.stale += 1
             return
@@ -839,36 +922,84 @@ class Subscription:
         self._release(state)
         if not state.held:
             return
-        if self._gap_timeout <= 0 or len(state.held) > _MAX_HELD:
+        if self._gap_timeout <= 0:
             self._declare_lost(state)
+        elif len(state.held) > _MAX_HELD:
+            self._declare_early(state, f"{len(state.held)} messages held back")
         elif state.gap_deadline is None:
             state.gap_deadline = time.monotonic() + self._gap_timeout
-            self._gapped.add(state)
+            self._gapped[state] = None
             self._repair_due.add(state)
+        if self._held_bytes.total > self._max_held_bytes:
+            self._shed_held()
 
     def _close_gap(self, state: _SourceState) -> None:
         state.gap_deadline = None
-        self._gapped.discard(state)
+        self._gapped.pop(state, None)
         self._repair_due.discard(state)
 
-    def _evict_sources(self) -> None:
-        """Forget the least recently active eighth of the sources (none that holds
-        messages back): a source that comes back starts over with a JOINED resync."""
-        idle = [s for s in self._states.values() if not s.held]
-        evicted = heapq.nsmallest(max(1, len(self._states) // 8), idle, key=lambda s: s.active)
-        for state in evicted:
+    def _shed_held(self) -> None:
+        """Declare the oldest gaps lost (their deadlines are the nearest) until what is
+        held back for gaps fits in ``max_held_bytes`` again."""
+        while self._held_bytes.total > self._max_held_bytes and self._gapped:
+            self._declare_early(
+                next(iter(self._gapped)),
+                f"{self._held_bytes.total} bytes held back for all gaps "
+                f"(max_held_bytes={self._max_held_bytes})",
+            )
+
+    def _declare_early(self, state: _SourceState, why: str) -> None:
+        """Declare ``state``'s gap lost before its deadline: too much is held for it."""
+        self.stats.gaps_declared_early += 1
+        _limited.warning(
+            "declared_early",
+            "kvbus: declared the gap of %s in %s lost before gap_timeout: %s",
+            shown(state.name),
+            self.stream,
+            why,
+        )
+        self._declare_lost(state)
+
+    def _track(
+        self, name: str, epoch: int, seq: int, position: Position | None, order: int
+    ) -> _SourceState:
+        """A new source's state, tracked; at most ``max_sources`` are."""
+        if len(self._states) >= self._max_sources:
+            self._evict_source()
+        state = self._states[name] = _SourceState(
+            name, epoch, seq, position, order, self._held_bytes
+        )
+        self._eviction_queue.append((order, state))
+        return state
+
+    def _evict_source(self) -> None:
+        """Forget the least recently active source, approximately (the one longest in
+        the queue that was not active since it was queued: a second-chance queue, O(1)
+        amortized: a source is queued again only after a message of its own). One
+        holding messages back has its gap declared lost first, so that nothing it held
+        goes unannounced. A source that comes back starts over with a JOINED resync."""
+        queue = self._eviction_queue
+        while queue:
+            queued, state = queue.popleft()
+            if self._states.get(state.name) is not state:
+                continue  # forgotten already
+            if state.active != queued:
+                queue.append((state.active, state))
+                continue
+            if state.held:
+                self._declare_lost(state)
             del self._states[state.name]
             self._yielded.pop(state.name, None)
-        self.stats.evicted_sources += len(evicted)
-        _limited.warning(
-            "evicted",
-            "kvbus: tracking %d sources of %s (max_sources=%d): forgot the %d least recently "
-            "active",
-            len(self._states) + len(evicted),
-            self.stream,
-            self._max_sources,
-            len(evicted),
-        )
+            self.stats.evicted_sources += 1
+            _limited.warning(
+                "evicted",
+                "kvbus: tracking more than max_sources=%d sources of %s: forgot the "
+                "least recently active, %s",
+                self._max_sources,
+                self.stream,
+                shown(state.name),
+            )
+            return
 
     def _release(self, state: _SourceState) -> None:
         """Deliver held messages that are next in seq order (or whose gap is announced)."""
@@ -962,7 +1093,8 @@ class Subscription:
         self.stats.resyncs += 1
         by_reason = self.stats.resyncs_by_reason
         by_reason[reason.value] = by_reason.get(reason.value, 0) + 1
-        log.info(
+        _limited.info(
+            f"resync_{reason.value}",
             "kvbus: resync %s epoch %s: %s, lost %s",
             shown(state.name),
             state.epoch,
@@ -976,21 +1108,35 @@ class Subscription:
     async def _repair(self, states: list[_SourceState]) -> None:
         """Search the transport's history once for the missing seqs of all ``states``.
 
-        The search runs from the earliest of their anchors up to the live read's
-        position: an entry stored later reaches this subscription by the live read.
+        The search runs from the earliest of their anchors up to the newest message
+        held back for them (a missing seq is stored before the message that showed it
+        missing, unless the store reordered them, and then the live read brings it),
+        and ends as soon as nothing is missing. It reads at most `_repair_credit`
+        entries: one per entry read live, beyond `_REPAIR_ALLOWANCE`, so that gaps a
+        stream opens, however many and however far back, cost O(1) per message.
         """
         self._repair_due.difference_update(states)
         wanted = {s.name: s for s in states if s.held}
         if not wanted:
             return
-        tops = {name: max(s.held) for name, s in wanted.items()}
-        remaining = sum(s.missing() for s in wanted.values())
+        credit = self._repair_credit
+        if credit < _REPAIR_ALLOWANCE // 16:
+            self._repair_limited("skipped")
+            return
+        remaining = 0
+        for gapped in wanted.values():
+            gapped.searched_top = gapped.top
+            remaining += gapped.missing()
+        tops = {name: s.top for name, s in wanted.items()}
         _, start = min((s.anchor for s in wanted.values()), key=lambda anchor: anchor[0])
-        stop = self._read_position
+        newest = [s.newest for s in wanted.values() if s.newest is not None]
+        stop = max(newest, key=lambda held: held[0])[1] if newest else self._read_position
+        read = 0
         try:
             async for page in self._transport.read_pages(self.stream, start, follow=False):
                 horizon = self._horizon()
                 for entry in page:
+                    read += 1
                     envelope = self._open(entry, horizon, count=False)
                     state = wanted.get(envelope.source) if envelope is not None else None
                     if envelope is not None and state is not None and envelope.epoch == state.epoch:
@@ -1000,24 +1146,46 @@ class Subscription:
                             remaining -= 1
                     if remaining <= 0 or entry.position == stop:
                         break
+                    if read >= credit or self._held_bytes.total > self._max_held_bytes:
+                        self._repair_limited("cut short")
+                        break
                 else:
                     continue
                 break
         except Exception as error:
             self.stats.transport_errors += 1
             log.warning("kvbus: history read of %s failed: %r", self.stream, error)
+        self._repair_credit -= read
+        self.stats.repair_entries += read
         for state in wanted.values():
             self._release(state)
+        if self._held_bytes.total > self._max_held_bytes:
+            self._shed_held()
+
+    def _repair_limited(self, what: str) -> None:
+        self.stats.repairs_limited += 1
+        _limited.warning(
+            "repair_limited",
+            "kvbus: history search of %s %s: searches read at most one history entry per "
+            "entry read live (beyond %d) and start only with %d to read; the gaps it did "
+            "not search are declared lost when they expire",
+            self.stream,
+            what,
+            _REPAIR_ALLOWANCE,
+            _REPAIR_ALLOWANCE // 16,
+        )
 
     async def _expire_gaps(self, *, force: bool) -> None:
-        """Gaps whose deadline passed get one last history look, then a Resync."""
+        """Gaps whose deadline passed get a history search if theirs has not looked for
+        every seq now missing, then a Resync. Only the gaps due: the oldest first."""
         now = time.monotonic()
-        expired = [
-            s
-            for s in self._gapped
-            if s.gap_deadline is not None and (force or s.gap_deadline <= now)
-        ]
-        await self._repair(expired)
+        expired: list[_SourceState] = []
+        for state in self._gapped:
+            if not force and (state.gap_deadline or 0.0) > now:
+                break
+            expired.append(state)
+        unsearched = [s for s in expired if s in self._repair_due or s.top > s.searched_top]
+        await self._repair(unsearched)
         if self._snapshot:
             await self._substitute_snapshots([s for s in expired if s.held])
         for state in expired:
@@ -1026,21 +1194,41 @@ class Subscription:
     # --- snapshots (see kvbus.snapshot) -----------------------------------------------
 
     async def _snapshots(self) -> dict[str, bytes]:
+        """Every stored snapshot (by name: the compactor names each after its source),
+        read now; kept for `_SNAPSHOTS_REUSED_FOR` seconds for `_recent`."""
+        self.stats.snapshot_reads += 1
         try:
-            return await self._transport.get_snapshots(self.stream)
+            stored = await self._transport.get_snapshots(self.stream)
         except Exception as error:
             self.stats.transport_errors += 1
             log.warning("kvbus: reading the snapshots of %s failed: %r", self.stream, error)
-            return {}
+            stored = {}
+        self._recent_snapshots, self._snapshots_read_at = stored, time.monotonic()
+        # Not held longer: they can be large, and a later gap wants newer ones.
+        asyncio.get_running_loop().call_later(_SNAPSHOTS_REUSED_FOR, self._forget_snapshots, stored)
+        return stored
 
-    def _open_snapshot(self, data: bytes) -> tuple[Snapshot, KVEventBatch] | None:
-        """A stored snapshot and its batch, if they are sound (else counted, skipped)."""
+    def _forget_snapshots(self, stored: dict[str, bytes]) -> None:
+        if self._recent_snapshots is stored:
+            self._recent_snapshots = None
+
+    async def _recent(self) -> dict[str, bytes]:
+        """The stored snapshots as read at most `_SNAPSHOTS_REUSED_FOR` seconds ago."""
+        recent = self._recent_snapshots
+        if (
+            recent is not None
+            and time.monotonic() - self._snapshots_read_at < _SNAPSHOTS_REUSED_FOR
+        ):
+            return recent
+        return await self._snapshots()
+
+    def _open_snapshot(self, data: bytes) -> Snapshot | None:
+        """A stored snapshot, if it is sound (else counted, skipped); its payload, the
+        costly part, is checked by whoever delivers it (`_snapshot_batch`)."""
         try:
             snapshot = decode_snapshot(data)
-            batch, _ = decode_kv_batch(snapshot.payload)
         except (msgspec.DecodeError, ValueError):
-            self.stats.malformed += 1
-            _limited.warning("snapshot", "kvbus: skipped a malformed snapshot of %s", self.stream)
+            self._malformed_snapshot()
             return None
         probe = Envelope(1, Kind.KV, snapshot.source, snapshot.epoch, snapshot.seq, 0.0, b"")
         if self._implausible(probe, self._horizon()) is not None:
@@ -1048,7 +1236,21 @@ class Subscription:
             return None
         if self.sources is not None and snapshot.source not in self.sources:
             return None
-        return snapshot, batch
+        return snapshot
+
+    def _malformed_snapshot(self) -> None:
+        self.stats.malformed += 1
+        _limited.warning("snapshot", "kvbus: skipped a malformed snapshot of %s", self.stream)
+
+    async def _snapshot_batches(self, snapshots: list[Snapshot]) -> list[KVEventBatch | None]:
+        """The snapshots' batches, decoded in a thread (one can hold a whole cache: the
+        event loop goes on meanwhile); None for a malformed one (counted)."""
+        if not snapshots:
+            return []
+        batches = await asyncio.to_thread(_decode_batches, [s.payload for s in snapshots])
+        for _ in range(batches.count(None)):
+            self._malformed_snapshot()
+        return batches
 
     def _deliver_snapshot(self, snapshot: Snapshot, batch: KVEventBatch) -> None:
         message = Message(
@@ -1066,7 +1268,7 @@ class Subscription:
 
     async def _start_from_snapshots(self) -> None:
         """Each source's snapshot first, then the stream from the compactor's cursor."""
-        stored = await self._snapshots()
+        stored = dict(await self._snapshots())
         cursor_data = stored.pop(CURSOR_NAME, None)
         if cursor_data is None:
             return  # no compactor has run: the whole retained history
@@ -1075,33 +1277,36 @@ class Subscription:
         except (msgspec.DecodeError, ValueError):
             self.stats.malformed += 1
             return
-        for data in stored.values():
-            opened = self._open_snapshot(data)
-            if opened is None:
-                continue
-            snapshot, batch = opened
-            self._states[snapshot.source] = _SourceState(
-                snapshot.source, snapshot.epoch, snapshot.seq, snapshot.position, -1
-            )
-            self._deliver_snapshot(snapshot, batch)
+        snapshots = [s for s in map(self._open_snapshot, stored.values()) if s is not None]
+        for snapshot, batch in zip(snapshots, await self._snapshot_batches(snapshots), strict=True):
+            if batch is not None:
+                self._track(snapshot.source, snapshot.epoch, snapshot.seq, snapshot.position, -1)
+                self._deliver_snapshot(snapshot, batch)
 
     async def _substitute_snapshots(self, states: list[_SourceState]) -> None:
         """A source about to be declared JOINED or GAP whose stored snapshot covers the
-        missing seqs: Resync with nothing lost, its snapshot, then what follows it."""
+        missing seqs: Resync with nothing lost, its snapshot, then what follows it.
+
+        Only these sources' snapshots are opened, and the stored ones are read at most
+        once per `_SNAPSHOTS_REUSED_FOR`: a gap is one message away for anyone who can
+        publish, and all snapshots together can hold every engine's cache."""
         if not states:
             return
-        stored = await self._snapshots()
-        found: dict[str, tuple[Snapshot, KVEventBatch]] = {}
-        for name, data in stored.items():
-            opened = self._open_snapshot(data) if name != CURSOR_NAME else None
-            if opened is not None:
-                found[opened[0].source] = opened
+        stored = await self._recent()
+        covering: list[tuple[_SourceState, Snapshot]] = []
         for state in states:
-            opened = found.get(state.name)
-            if opened is None:
-                continue
-            snapshot, batch = opened
-            if snapshot.epoch != state.epoch or not state.seq < state.lowest() - 1 <= snapshot.seq:
+            data = stored.get(state.name)
+            snapshot = None if data is None else self._open_snapshot(data)
+            if (
+                snapshot is not None
+                and snapshot.source == state.name
+                and snapshot.epoch == state.epoch
+                and state.seq < state.lowest() - 1 <= snapshot.seq
+            ):
+                covering.append((state, snapshot))
+        batches = await self._snapshot_batches([snapshot for _, snapshot in covering])
+        for (state, snapshot), batch in zip(covering, batches, strict=True):
+            if batch is None:
                 continue
             self._close_gap(state)
             reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
@@ -1169,6 +1374,17 @@ class Subscription:
         self._yielded[item.source] = SourceCursor(item.epoch, seq, position)
 
 
+def _decode_batches(payloads: list[bytes]) -> list[KVEventBatch | None]:
+    """Each payload's batch, or None where it does not decode."""
+    batches: list[KVEventBatch | None] = []
+    for payload in payloads:
+        try:
+            batches.append(decode_kv_batch(payload)[0])
+        except (msgspec.DecodeError, ValueError):
+            batches.append(None)
+    return batches
+
+
 def _pieces(page: Sequence[Entry]) -> list[tuple[Sequence[Entry], int]]:
     """``page`` with its size in bytes, cut into pieces of about ``_INBOX_LOW_BYTES`` if
     it is larger (an in-process transport hands over its whole history as one page),
@@ -1206,7 +1422,9 @@ def subscribe(
     (seconds to wait for missing seqs before declaring them lost; 0 declares them lost
     at once without searching history, for streams of state records such as metrics,
     where only the newest counts),
-    ``max_message_bytes``, ``max_sources``, ``max_clock_skew``, ``transport``, and
+    ``max_message_bytes``, ``max_sources``, ``max_clock_skew``, ``max_held_bytes``
+    (default 64 MiB: messages held back for gaps, beyond which the oldest gaps are
+    declared lost early), ``transport``, and
     ``snapshot``: with no ``cursor``, start from the snapshots a `kvbus.compact.Compactor`
     stored (each source's state as one batch of events, then the stream after them), and
     when a source would be declared JOINED or GAP while its stored snapshot covers what is
