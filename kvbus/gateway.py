@@ -29,12 +29,24 @@ decision predicted the engine's cached tokens.
 
 What a client or a worker can cost it is bounded: tokenizing a body over 2 KiB runs in
 two threads of its own, never on the event loop (a smaller one is tokenized in place),
-and a body over ``--max-tokenize-bytes`` is routed by load alone; a client must send its
-request headers within ``--header-timeout`` and its body within ``--body-timeout``; a
-client that leaves cancels its request upstream. Each worker gets at most
-``--worker-connections`` connections, so one that hangs cannot take the others' share;
-a worker that refuses, drops, times out (``--worker-timeout`` to its first byte) or
-answers something that is not HTTP is marked down and the request goes to another.
+and a body over ``--max-tokenize-bytes`` is routed by load alone. A body over
+``--max-body-bytes`` (32 MiB) is refused (413), and the bodies held at once, from their
+first byte until no retry can need them, add up to at most ``--max-held-body-bytes``
+(256 MiB): a request over it is answered 503 with ``Retry-After``. A connection must
+complete each request head within ``--header-timeout`` of opening or of its previous
+response (an idle keep-alive connection is closed then too, as vLLM's own server closes
+one after 5 s), and its body within ``--body-timeout``; a client that leaves cancels its
+request upstream, and one that stops reading for ``--client-write-timeout`` is dropped.
+Each worker gets at most ``--worker-connections`` connections, so one that hangs cannot
+take the others' share; a request that waits ``--pool-timeout`` for one of a busy
+worker's goes to another, the busy one not marked down. A worker that refuses, drops,
+times out (``--worker-timeout`` from a connection of its own to its first byte) or
+answers something that is not HTTP is marked down and the request goes to another. Each
+limit, when hit, is counted in ``/metrics``.
+
+SIGTERM (or SIGINT) stops it within about a second whatever the bus is doing: requests in
+flight get ``--drain-timeout`` to finish, then are cut; the bus readers are cancelled
+and not waited for beyond a bound.
 """
 
 from __future__ import annotations
@@ -50,13 +62,14 @@ import os
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, Literal
 
 import aiohttp
 import prometheus_client as prom
 from aiohttp import web
+from yarl import URL
 
 import kvbus
 import kvbus.metrics
@@ -81,13 +94,70 @@ _TOKEN_BUCKETS: Final = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 
 _ERROR_BUCKETS: Final = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
 _TOKEN_LIMIT: Final = 2**32  # vLLM's token ids are unsigned 32-bit
 _QUICK: Final = aiohttp.ClientTimeout(total=5)  # a model list, not a generation
+_QUICK_CONNECTIONS: Final = 8
+"""Model lists (``/v1/models``, discovery) in flight at once, all workers together: on
+connections of their own beside ``--worker-connections``, so a flood of them never makes
+a generation wait for a pooled connection."""
+_STOP_WAIT: Final = 0.5
+"""Seconds the bus readers and the routes publisher get to end once cancelled or
+closed at shutdown; a client library that swallows a cancel is not waited for."""
 _LOAD_ONLY: Final[tuple[list[int], None]] = ([], None)  # routed by load alone
 
 
-def error_body(message: str, kind: str, status: int) -> web.Response:
-    """An error in vLLM's shape (`ErrorResponse`)."""
+def error_body(
+    message: str, kind: str, status: int, retry_after: float | None = None
+) -> web.Response:
+    """An error in vLLM's shape (`ErrorResponse`); with ``retry_after``, a
+    ``Retry-After`` header saying when to try again (OpenAI clients honour it)."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+    headers = None if retry_after is None else {"Retry-After": str(max(1, round(retry_after)))}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _busy(message: str) -> web.Response:
+    return error_body(message, "ServiceUnavailableError", 503, retry_after=1)
+
+
+class BodyBudget:
+    """Bytes of request bodies the router holds at once, all requests together."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.capacity:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+class _Body:
+    """One request's body, its bytes counted in a `BodyBudget` until `release`."""
+
+    __slots__ = ("_budget", "_counted", "data")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self._counted = 0
+        self.data = bytearray()
+
+    def add(self, chunk: bytes) -> bool:
+        """Keep ``chunk``; False (nothing kept) when the budget cannot hold it."""
+        if not self._budget.take(len(chunk)):
+            return False
+        self._counted += len(chunk)
+        self.data += chunk
+        return True
+
+    def release(self) -> None:
+        """No retry can need the body any more: drop it and give its bytes back."""
+        self.data = bytearray()
+        self._budget.give(self._counted)
+        self._counted = 0
 
 
 class Metrics:
@@ -116,7 +186,30 @@ class Metrics:
         self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
         self.slow_clients = counter(
-            "slow_clients", "Connections closed: no request head within --header-timeout", ()
+            "slow_clients",
+            "Connections closed: no whole request head within --header-timeout of opening "
+            "or of the previous response (idle keep-alive connections included)",
+            (),
+        )
+        self.stalled_clients = counter(
+            "stalled_clients",
+            "Connections dropped: the client read nothing for --client-write-timeout",
+            (),
+        )
+        self.refused = counter(
+            "refused_requests",
+            "Requests refused before routing: body_too_large (413, --max-body-bytes), "
+            "bodies_held (503, --max-held-body-bytes)",
+            ("reason",),
+        )
+        self.busy = counter(
+            "busy_worker_waits",
+            "Requests that waited --pool-timeout for one of a worker's "
+            "--worker-connections and went elsewhere (the worker is not marked down)",
+            ("worker",),
+        )
+        self.body_bytes = gauge(
+            "held_body_bytes", "Bytes of request bodies held now (--max-held-body-bytes)"
         )
         self.bad_items = counter(
             "bad_stream_items", "Bus items the router could not apply (logged, skipped)", ()
@@ -235,6 +328,10 @@ class RouterApp:
         worker_timeout: float = 300.0,
         body_timeout: float = 30.0,
         max_tokenize_bytes: int = 2**20,
+        max_body_bytes: int = 32 * 2**20,
+        max_held_body_bytes: int = 256 * 2**20,
+        client_write_timeout: float = 30.0,
+        pool_timeout: float = 30.0,
         connector_stream: str | None = None,
         routes_stream: str | None = None,
         replica: str | None = None,
@@ -267,17 +364,33 @@ class RouterApp:
         self.worker_timeout = worker_timeout
         self.body_timeout = body_timeout
         self.max_tokenize_bytes = max_tokenize_bytes
+        if max_held_body_bytes < max_body_bytes:
+            raise ValueError(
+                f"max_held_body_bytes ({max_held_body_bytes}) must hold one body of "
+                f"max_body_bytes ({max_body_bytes})"
+            )
+        self.max_body_bytes = max_body_bytes
+        self.bodies = BodyBudget(max_held_body_bytes)
+        self.client_write_timeout = client_write_timeout
+        self.pool_timeout = pool_timeout
+        self.header_timeout = 10.0
+        """Set by `start`: seconds for each request head, from the connection's opening
+        or its previous response."""
         self.session: aiohttp.ClientSession | None = None
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        """Per worker address: its --worker-connections, taken by a request for as long
+        as its response lasts (then its connection is back in the pool)."""
+        self._quick_slots = asyncio.Semaphore(_QUICK_CONNECTIONS)
         self._tasks: list[asyncio.Task[None]] = []
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="kvbus-tokenize")
         self._head_timers: dict[Any, asyncio.TimerHandle] = {}
-        self._bases: dict[str, tuple[str, str | None]] = {}
         """Connections yet to send a whole request head, and when they must have."""
+        self._bases: dict[str, tuple[str, str | None, asyncio.Semaphore]] = {}
 
     # --- lifecycle -------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.list_models)
@@ -288,10 +401,16 @@ class RouterApp:
 
     async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
         # No total timeout: a stream takes as long as it takes. Up to the first byte
-        # (all of a response that is not streamed), --worker-timeout.
+        # (all of a response that is not streamed), --worker-timeout. The pool holds
+        # more connections per worker than the requests that may use them at once
+        # (--worker-connections for generations, _QUICK_CONNECTIONS for model lists), so
+        # no request ever waits in it: waiting is done, timed and counted apart
+        # (--pool-timeout), never as the worker's own time.
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=self.worker_connections),
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=self.worker_connections + _QUICK_CONNECTIONS
+            ),
         )
         self._tasks = [
             asyncio.create_task(self._follow_kv()),
@@ -312,10 +431,16 @@ class RouterApp:
         yield
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Bounded: with the bus down, a client library may swallow a cancel or take
+        # its own time to give up; shutdown does not wait on it (the process is ending).
+        _, stuck = await asyncio.wait(self._tasks, timeout=_STOP_WAIT)
+        if stuck:
+            log.warning("%d bus readers did not stop within %ss; left", len(stuck), _STOP_WAIT)
         if self.routes is not None:
             self.router.share = None
-            await self.routes.aclose()  # SourceStopped: the others forget its requests
+            # SourceStopped: the others forget its requests (or expire them, if the
+            # bus is down and it cannot be sent in time).
+            await self.routes.aclose(_STOP_WAIT)
         await self.session.close()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
@@ -421,7 +546,10 @@ class RouterApp:
         while True:
             for base in self.workers.values():
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                    async with self.session.get(f"{base}/v1/models", timeout=_QUICK) as response:
+                    async with (
+                        self._quick_slots,
+                        self.session.get(f"{base}/v1/models", timeout=_QUICK) as response,
+                    ):
                         cards = (await response.json())["data"]
                     self.models = {c["id"] for c in cards}
                     self.loras = {c["id"] for c in cards if c.get("parent")}
@@ -455,13 +583,51 @@ class RouterApp:
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             return error_body("The router failed on this request.", "InternalServerError", 500)
+        finally:
+            # The next request on this connection (keep-alive) gets the same time for
+            # its head as the first did: aiohttp alone would wait its keepalive_timeout.
+            self.expect_head(request.protocol, self.header_timeout)
 
     async def _generate(self, request: web.Request, tokenize: Tokenize) -> web.StreamResponse:
+        body = _Body(self.bodies)
+        try:
+            refused = await self._receive(request, body)
+            if refused is not None:  # (a response is a mapping: falsy when empty)
+                return refused
+            return await self._route(request, body, tokenize)
+        finally:
+            body.release()
+
+    async def _receive(self, request: web.Request, body: _Body) -> web.Response | None:
+        """Read the request's body into ``body``; an error response instead when it is
+        too large, over the bytes all bodies may hold at once, or too slow."""
+        declared = request.content_length
+        if declared is not None and declared > self.max_body_bytes:
+            return self._too_large()  # refused before a byte of it is read
         try:
             async with asyncio.timeout(self.body_timeout):  # no task of its own, unlike wait_for
-                raw = await request.read()
+                async for chunk in request.content.iter_any():
+                    if len(body.data) + len(chunk) > self.max_body_bytes:
+                        return self._too_large()  # chunked: no length said up front
+                    if not body.add(chunk):
+                        self.metrics.refused.labels("bodies_held").inc()
+                        return _busy("The router holds too many request bodies; try again.")
         except TimeoutError:
             return error_body("The request body did not arrive in time.", "RequestTimeout", 408)
+        return None
+
+    def _too_large(self) -> web.Response:
+        self.metrics.refused.labels("body_too_large").inc()
+        return error_body(
+            f"The request body is over the router's limit of {self.max_body_bytes} bytes.",
+            "RequestEntityTooLarge",
+            413,
+        )
+
+    async def _route(
+        self, request: web.Request, body: _Body, tokenize: Tokenize
+    ) -> web.StreamResponse:
+        raw = body.data
         started = time.perf_counter()
         if len(raw) > self.max_tokenize_bytes:
             read: tuple[list[int], str | None] | None = _LOAD_ONLY
@@ -476,21 +642,25 @@ class RouterApp:
             lora = None
         else:
             tokens, lora = read
+        del raw  # only ``body`` holds it now: released once no retry can need it
         tried: set[str] = set()
+        busy = False
         while True:
             decision = self.router.route(tokens, lora, exclude=tried)
             self.metrics.decision.observe(time.perf_counter() - started)
             if decision is None:
                 self.metrics.no_worker.inc()
-                return error_body(
-                    "No vLLM server is available: every worker is down or silent.",
-                    "ServiceUnavailableError",
-                    503,
-                )
+                if busy:
+                    return _busy("Every vLLM server that is up has all its connections busy.")
+                return _busy("No vLLM server is available: every worker is down or silent.")
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             try:
-                return await self._forward(request, raw, decision)
+                return await self._forward(request, body, decision)
+            except _Busy:
+                tried.add(decision.worker)  # not its fault: it stays up for the others
+                busy = True
+                self.metrics.busy.labels(decision.worker).inc()
             except _Unreachable as error:
                 tried.add(decision.worker)
                 self.router.mark_down(decision.worker, self.down_for)
@@ -500,7 +670,9 @@ class RouterApp:
             finally:
                 self.router.finished(decision)
 
-    def _tokens(self, raw: bytes, tokenize: Tokenize) -> tuple[list[int], str | None] | None:
+    def _tokens(
+        self, raw: bytes | bytearray, tokenize: Tokenize
+    ) -> tuple[list[int], str | None] | None:
         """The prompt's token ids and LoRA, or None when the request cannot be read."""
         try:
             body = json.loads(raw)
@@ -519,62 +691,121 @@ class RouterApp:
         return tokens, model if model in self.loras else None
 
     async def _forward(
-        self, request: web.Request, raw: bytes, decision: Decision
+        self, request: web.Request, body: _Body, decision: Decision
     ) -> web.StreamResponse:
         assert self.session is not None
-        base, rank = self._upstream(decision.worker)
+        base, rank, slots = self._upstream(decision.worker)
         sent_headers = request.headers
         headers = {k: sent_headers[k] for k in _FORWARDED if k in sent_headers}
+        # The router reads usage from the body, and compressing on loopback or a LAN
+        # costs more than it saves (a worker that compresses anyway: `_copy_headers`).
+        headers["Accept-Encoding"] = "identity"
         if rank is not None:
             headers["X-data-parallel-rank"] = rank
         labels = (decision.worker, decision.policy.value)
-        sent = time.perf_counter()
+        try:  # a wait for a connection is no fault of the worker's: timed apart
+            async with asyncio.timeout(self.pool_timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise _Busy from None
         try:
-            async with asyncio.timeout(self.worker_timeout):
-                upstream = await self.session.post(base + request.path, data=raw, headers=headers)
-        except (aiohttp.ClientError, TimeoutError) as error:
-            # Refused, dropped, silent or not HTTP, before anything reached the client.
-            raise _Unreachable(repr(error)) from error
-        async with upstream:
-            self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
-            streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
-            body: bytes | bytearray
-            if streamed:
-                response, body = await self._relay_stream(request, upstream, decision)
-            else:  # all of it first: a worker that breaks off is retried elsewhere
-                try:
-                    body = await upstream.read()
-                except aiohttp.ClientError as error:
-                    raise _Unreachable(repr(error)) from error
-                self.router.started(decision)
-                response = web.Response(body=body, status=upstream.status)
-                self._copy_headers(upstream, response, decision)
+            sent = time.perf_counter()
+            try:
+                async with asyncio.timeout(self.worker_timeout):
+                    upstream = await self.session.post(
+                        base + request.path, data=body.data, headers=headers
+                    )
+            except (aiohttp.ClientError, TimeoutError) as error:
+                # Refused, dropped, silent or not HTTP, before anything reached the client.
+                raise _Unreachable(repr(error)) from error
+            async with upstream:
+                self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
+                content_type = upstream.headers.get("content-type", "")
+                streamed = content_type.startswith("text/event-stream")
+                answer: bytes | bytearray
+                if streamed:
+                    body.release()  # a stream is never retried
+                    response, answer = await self._relay_stream(request, upstream, decision)
+                else:  # all of it first: a worker that breaks off is retried elsewhere
+                    try:
+                        answer = await upstream.read()
+                    except aiohttp.ClientError as error:
+                        raise _Unreachable(repr(error)) from error
+                    body.release()
+                    self.router.started(decision)
+                    response = await self._reply(request, upstream, decision, answer)
+        finally:
+            slots.release()
         self.metrics.requests.labels(*labels, str(upstream.status)).inc()
         if upstream.status == 200:
             self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
-            reported = _cached_tokens(body, streamed)
+            reported = _cached_tokens(answer, streamed)
             if reported is not None:
                 self.metrics.observe_prediction(decision, reported)
         return response
 
-    def _upstream(self, worker: str) -> tuple[str, str | None]:
-        """A worker's (``NAME/dpR``) base URL and data-parallel rank, remembered."""
+    def _upstream(self, worker: str) -> tuple[str, str | None, asyncio.Semaphore]:
+        """A worker's (``NAME/dpR``) base URL, data-parallel rank and connection slots
+        (one set per address, as aiohttp pools connections), remembered."""
         known = self._bases.get(worker)
         if known is None:
             rank = _RANK.search(worker)
             base = self.workers[_RANK.sub("", worker)]
-            known = self._bases[worker] = (base, rank.group(1) if rank else None)
+            origin = str(URL(base).origin())
+            slots = self._slots.get(origin)
+            if slots is None:
+                slots = self._slots[origin] = asyncio.Semaphore(self.worker_connections)
+            known = self._bases[worker] = (base, rank.group(1) if rank else None, slots)
         return known
 
     @staticmethod
     def _copy_headers(
         upstream: aiohttp.ClientResponse, response: web.StreamResponse, decision: Decision
     ) -> None:
+        # aiohttp decodes the encodings it knows (gzip, deflate, br, zstd) as it reads;
+        # the client gets those bytes decoded, so without their Content-Encoding.
+        decoded = getattr(upstream.content, "total_compressed_bytes", None) is not None
         for key, value in upstream.headers.items():
-            if key.lower() not in _HOP_BY_HOP:
+            lowered = key.lower()
+            if lowered not in _HOP_BY_HOP and not (decoded and lowered == "content-encoding"):
                 response.headers[key] = value
         response.headers["x-kvbus-worker"] = decision.worker
         response.headers["x-kvbus-predicted-cached-tokens"] = str(decision.predicted_cached_tokens)
+
+    async def _reply(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        decision: Decision,
+        answer: bytes,
+    ) -> web.StreamResponse:
+        """A response read whole, sent on as a client reads it (`_send`)."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        self._copy_headers(upstream, response, decision)
+        response.content_length = len(answer)
+        await response.prepare(request)
+        if await self._send(request, response.write(answer), decision):
+            await self._send(request, response.write_eof(), decision)
+        return response
+
+    async def _send(
+        self, request: web.Request, writing: Awaitable[None], decision: Decision
+    ) -> bool:
+        """Hand bytes to the client: False, its connection dropped, when it left or read
+        nothing for ``--client-write-timeout`` (it would hold a worker's connection
+        for good). The worker did nothing wrong."""
+        try:
+            async with asyncio.timeout(self.client_write_timeout):
+                await writing
+            return True
+        except TimeoutError:
+            self.metrics.stalled_clients.inc()
+            log.info("a client of %s stopped reading; dropped", decision.worker)
+        except ConnectionError:  # it left
+            pass
+        if request.transport is not None:
+            request.transport.abort()  # close() would wait to flush to it
+        return False
 
     async def _relay_stream(
         self, request: web.Request, upstream: aiohttp.ClientResponse, decision: Decision
@@ -584,21 +815,25 @@ class RouterApp:
         self._copy_headers(upstream, response, decision)
         await response.prepare(request)
         tail = bytearray()
-        try:
-            async for chunk in upstream.content.iter_any():
-                if not tail:  # the first bytes: the engine is past this prompt's prefill
-                    self.router.started(decision)
-                await response.write(chunk)
-                tail += chunk
-                del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
-        except aiohttp.ClientError as error:
-            # The client has part of a stream: cut it off, as the worker did.
-            log.warning("worker %s broke off a stream: %r", decision.worker, error)
-            self.router.mark_down(decision.worker, self.down_for)
-            if request.transport is not None:
-                request.transport.close()
-            return response, bytearray()
-        await response.write_eof()
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except aiohttp.ClientError as error:
+                # The client has part of a stream: cut it off, as the worker did.
+                log.warning("worker %s broke off a stream: %r", decision.worker, error)
+                self.router.mark_down(decision.worker, self.down_for)
+                if request.transport is not None:
+                    request.transport.close()
+                return response, bytearray()
+            if not chunk:
+                break
+            if not tail:  # the first bytes: the engine is past this prompt's prefill
+                self.router.started(decision)
+            if not await self._send(request, response.write(chunk), decision):
+                return response, bytearray()
+            tail += chunk
+            del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
+        await self._send(request, response.write_eof(), decision)
         return response, tail
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
@@ -608,13 +843,14 @@ class RouterApp:
             if base is None:
                 continue
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with self.session.get(f"{base}/v1/models", timeout=_QUICK) as upstream:
-                    return web.Response(
-                        body=await upstream.read(),
-                        status=upstream.status,
-                        content_type="application/json",
-                    )
-        return error_body("No vLLM server is available.", "ServiceUnavailableError", 503)
+                async with asyncio.timeout(_QUICK.total), self._quick_slots:
+                    async with self.session.get(f"{base}/v1/models") as upstream:
+                        return web.Response(
+                            body=await upstream.read(),
+                            status=upstream.status,
+                            content_type="application/json",
+                        )
+        return _busy("No vLLM server is available.")
 
     async def prometheus(self, request: web.Request) -> web.Response:
         self.metrics.eligible.set(len(self.router.eligible()))
@@ -628,9 +864,12 @@ class RouterApp:
         )
 
     def expect_head(self, protocol: Any, timeout: float) -> None:
-        """Close ``protocol``'s connection unless a request head arrives within
-        ``timeout`` seconds."""
+        """Close ``protocol``'s connection unless a whole request head arrives within
+        ``timeout`` seconds (`_errors` stops the clock when one has)."""
         loop = asyncio.get_running_loop()
+        previous = self._head_timers.pop(protocol, None)
+        if previous is not None:
+            previous.cancel()
         self._head_timers[protocol] = loop.call_later(timeout, self._close_silent, protocol)
 
     def _close_silent(self, protocol: Any) -> None:
@@ -638,7 +877,11 @@ class RouterApp:
         transport = getattr(protocol, "transport", None)
         if transport is not None and not transport.is_closing():
             self.metrics.slow_clients.inc()
-            transport.close()
+            # A client that has not even read the last response: do not wait on it.
+            if transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
 
     async def health(self, request: web.Request) -> web.Response:
         state = {
@@ -660,6 +903,11 @@ def _report_failure(task: asyncio.Task[None]) -> None:
 
 class _Unreachable(Exception):
     """The worker refused or dropped the connection before answering (safe to retry)."""
+
+
+class _Busy(Exception):
+    """All of a worker's connections stayed in use for ``--pool-timeout`` (safe to send
+    elsewhere; the worker is not at fault)."""
 
 
 def _cached_tokens(body: bytes | bytearray, streamed: bool) -> int | None:
@@ -731,16 +979,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is marked down and the request goes to another",
     )
     limits.add_argument(
-        "--header-timeout", type=float, default=10.0, help="seconds for a client's request head"
+        "--pool-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request waits for one of a worker's --worker-connections; then it "
+        "goes to another worker (the busy one is not marked down), or 503 if none is free",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for each request head, from the connection's opening or its previous "
+        "response; then the connection is closed (idle keep-alive ones too)",
     )
     limits.add_argument(
         "--body-timeout", type=float, default=30.0, help="seconds for a client's request body"
+    )
+    limits.add_argument(
+        "--client-write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may read nothing of its response (a stream included); then "
+        "it is dropped, and its worker's connection freed",
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=32 * 2**20,
+        help="larger request bodies are refused, 413 (default 32 MiB: a 1M-token prompt as "
+        "text or token ids is under 10 MiB; the rest is room for images in data URLs)",
+    )
+    limits.add_argument(
+        "--max-held-body-bytes",
+        type=int,
+        default=256 * 2**20,
+        help="request bodies held at once, all clients together, until no retry can need "
+        "them; a request over it is answered 503 with Retry-After (default 256 MiB)",
     )
     limits.add_argument(
         "--max-tokenize-bytes",
         type=int,
         default=2**20,
         help="larger request bodies are routed by load alone, not tokenized",
+    )
+    limits.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=0.5,
+        help="seconds requests in flight get to finish after SIGTERM/SIGINT; then they are "
+        "cut and the router exits",
     )
     parser.add_argument(
         "--log-level",
@@ -751,16 +1038,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def start(
-    app: RouterApp, host: str, port: int, header_timeout: float = 10.0
+    app: RouterApp,
+    host: str,
+    port: int,
+    header_timeout: float = 10.0,
+    drain_timeout: float = 0.5,
 ) -> tuple[web.AppRunner, asyncio.Server]:
-    """Serve ``app`` on ``host:port``; stop with `stop`.
+    """Serve ``app`` on ``host:port``; stop with `stop` (requests in flight get
+    ``drain_timeout`` seconds, then are cancelled).
 
     Handlers are cancelled when their client leaves (the upstream request with them),
     and a connection that has not sent a whole request head within ``header_timeout``
-    seconds is closed: aiohttp itself waits for ever, so 3,000 half-sent requests used
+    seconds of opening, or of its previous response, is closed: aiohttp itself waits
+    its keepalive_timeout (75 s) even for half a head, so 3,000 half-sent requests used
     to hold 3,000 sockets.
     """
-    runner = web.AppRunner(app.app(), handler_cancellation=True)
+    app.header_timeout = header_timeout
+    runner = web.AppRunner(app.app(), handler_cancellation=True, shutdown_timeout=drain_timeout)
     await runner.setup()
     loop = asyncio.get_running_loop()
     make_protocol = runner.server
@@ -780,8 +1074,10 @@ async def stop(runner: web.AppRunner, server: asyncio.Server) -> None:
     await runner.cleanup()
 
 
-async def _serve_forever(app: RouterApp, host: str, port: int, header_timeout: float) -> None:
-    runner, server = await start(app, host, port, header_timeout)
+async def _serve_forever(
+    app: RouterApp, host: str, port: int, header_timeout: float, drain_timeout: float
+) -> None:
+    runner, server = await start(app, host, port, header_timeout, drain_timeout)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -813,6 +1109,10 @@ def build(args: argparse.Namespace) -> RouterApp:
         worker_timeout=args.worker_timeout,
         body_timeout=args.body_timeout,
         max_tokenize_bytes=args.max_tokenize_bytes,
+        max_body_bytes=args.max_body_bytes,
+        max_held_body_bytes=args.max_held_body_bytes,
+        client_write_timeout=args.client_write_timeout,
+        pool_timeout=args.pool_timeout,
         connector_stream=args.connector_stream,
         routes_stream=args.routes_stream,
         replica=args.replica,
@@ -824,20 +1124,38 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    run(_serve_forever(build(args), args.host, args.port, args.header_timeout))
+    app = build(args)
+    run(_serve_forever(app, args.host, args.port, args.header_timeout, args.drain_timeout))
     return 0
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:
     """Run the router's event loop: uvloop's where installed (``kvbus[router]``;
     0.85 instead of 1.0 ms added per completion, bench/bench_overhead.py), else
-    asyncio's."""
+    asyncio's. Unlike `asyncio.run`, what is left running at the end gets a bounded
+    time to take its cancel: a bus client that swallows one (Redis or NATS down) does
+    not keep the process for ever."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
+        loop = asyncio.new_event_loop()
     else:
-        uvloop.run(main)
+        loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(main)
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                _, stuck = loop.run_until_complete(asyncio.wait(left, timeout=_STOP_WAIT))
+                if stuck:
+                    log.warning("%d tasks ignored their cancel; exiting anyway", len(stuck))
+            for ending in (loop.shutdown_asyncgens(), loop.shutdown_default_executor()):
+                loop.run_until_complete(asyncio.wait([loop.create_task(ending)], timeout=1))
+        finally:
+            loop.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,330 @@
+"""Issue 28, the router's HTTP side: what request bodies, slow readers, half-sent keep-alive
+requests and a compressing worker used to cost it, and a SIGTERM with the bus down. The
+router runs as a service (in this process on a memory:// bus, or as ``kvbus router`` on
+a real nats-server) in front of scripted workers: aiohttp apps standing in for vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from cluster import RouterProcess
+
+import kvbus
+from kvbus import Kind, LoadMetrics
+
+from .servers import NatsServer
+from .test_gateway_limits import PROMPT, Fleet, complete
+from .test_gateway_limits import fleet as fleet  # the fixtures
+from .test_gateway_limits import tokenizer as tokenizer
+
+USAGE = {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def counter(fleet: Fleet, name: str, *labels: str) -> float:
+    assert fleet.app is not None
+    metric = getattr(fleet.app.metrics, name)
+    return float((metric.labels(*labels) if labels else metric)._value.get())
+
+
+def host_port(fleet: Fleet) -> tuple[str, int]:
+    host, port = fleet.router_url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+async def held_worker(release: asyncio.Event, arrived: asyncio.Event | None = None) -> Any:
+    """A worker that answers (usage included) once ``release`` is set."""
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        if arrived is not None:
+            arrived.set()
+        await release.wait()
+        return web.json_response({"id": "cmpl-1", "choices": [], "usage": USAGE})
+
+    return handle
+
+
+async def test_a_body_over_max_body_bytes_is_refused_with_vllms_shape(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """Bodies used to be read whole up to 64 MiB each, however many at once."""
+    await fleet.worker("a")
+    await fleet.run_router(tokenizer, max_body_bytes=2**16, max_held_body_bytes=2**20)
+    big = json.dumps({**PROMPT, "prompt": "w5 " * 30_000}).encode()  # 90 KB
+    status, body, worker = await complete(fleet, big)
+    assert (status, body["error"]["code"], worker) == (413, 413, "")
+    # Chunked, with no length said up front: refused once it passes the limit.
+
+    async def chunks() -> Any:
+        for start in range(0, len(big), 8192):
+            yield big[start : start + 8192]
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fleet.router_url}/v1/completions", data=chunks()) as response:
+            assert response.status == 413
+            assert (await response.json())["error"]["type"] == "RequestEntityTooLarge"
+    assert counter(fleet, "refused", "body_too_large") == 2
+    assert (await complete(fleet, PROMPT))[0] == 200  # a body under it is served
+    assert fleet.app is not None and fleet.app.bodies.held == 0
+
+
+async def test_bodies_held_at_once_are_capped_and_given_back(fleet: Fleet, tokenizer: Path) -> None:
+    """Eight 60 MiB bodies used to cost the router 1.35 GiB: nothing capped how many
+    it held at once."""
+    release, arrived = asyncio.Event(), asyncio.Event()
+    await fleet.worker("a", await held_worker(release, arrived))
+    await fleet.run_router(tokenizer, max_body_bytes=2**20, max_held_body_bytes=2**20)
+    body = json.dumps({**PROMPT, "prompt": "w5 " * 200_000}).encode()  # 600 KB
+    first = asyncio.create_task(complete(fleet, body))
+    await asyncio.wait_for(arrived.wait(), 30)  # its body held: it may be retried
+    headers = {"content-type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{fleet.router_url}/v1/completions", data=body, headers=headers
+        ) as response:
+            refused = (response.status, response.headers.get("Retry-After"), await response.json())
+    assert refused[:2] == (503, "1")
+    assert refused[2]["error"]["type"] == "ServiceUnavailableError"
+    assert counter(fleet, "refused", "bodies_held") == 1
+    release.set()
+    assert (await first)[0] == 200
+    assert fleet.app is not None and fleet.app.bodies.held == 0  # all given back
+    assert (await complete(fleet, body))[0] == 200
+
+
+async def test_a_streamed_response_gives_its_body_back_at_the_first_byte(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """A stream is never retried: its body need not be held while it lasts."""
+    done = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\n')
+        await done.wait()
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    await fleet.worker("a", stream)
+    await fleet.run_router(tokenizer, max_body_bytes=2**20, max_held_body_bytes=2**20)
+    body = json.dumps({**PROMPT, "prompt": "w5 " * 200_000, "stream": True}).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fleet.router_url}/v1/completions", data=body) as streaming:
+            await streaming.content.readline()  # the first event came through
+            assert fleet.app is not None and fleet.app.bodies.held == 0
+            async with session.post(f"{fleet.router_url}/v1/completions", data=body) as second:
+                assert second.status == 200  # its body fitted in beside the first's
+                done.set()
+                assert (await second.read()).endswith(b"data: [DONE]\n\n")
+            await streaming.read()
+
+
+async def test_a_client_that_stops_reading_is_dropped_and_the_worker_stays_up(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """A client that stopped reading a stream used to hold the worker's connection for
+    good; once all were held, the next request waited --worker-timeout in the pool and
+    the healthy worker was marked down."""
+    upstream_gone = asyncio.Event()
+
+    async def flood(request: web.Request) -> web.StreamResponse:
+        if not json.loads(await request.read()).get("stream"):
+            return web.json_response({"id": "cmpl-2", "choices": [], "usage": USAGE})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b"data: " + b"x" * 65536 + b"\n\n")
+        except (ConnectionError, asyncio.CancelledError):
+            upstream_gone.set()
+            raise
+
+    await fleet.worker("a", flood)
+    await fleet.run_router(
+        tokenizer, worker_connections=1, client_write_timeout=0.5, worker_timeout=5.0
+    )
+    host, port = host_port(fleet)
+    stalled = socket.create_connection((host, port))
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps({**PROMPT, "stream": True}).encode()
+    stalled.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    try:  # it reads nothing, ever
+        await asyncio.wait_for(upstream_gone.wait(), 30)
+        assert counter(fleet, "stalled_clients") == 1
+        assert fleet.app is not None and "a/dp0" in fleet.app.router.eligible()
+        status, _, worker = await complete(fleet, PROMPT)  # the one connection is free
+        assert (status, worker) == (200, "a/dp0")
+    finally:
+        stalled.close()
+
+
+async def test_a_wait_for_a_busy_workers_connection_is_not_its_fault(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """Waiting for a pooled connection used to count as the worker timing out: a
+    healthy, busy worker was marked down and every request got 503."""
+    release, arrived = asyncio.Event(), asyncio.Event()
+    await fleet.worker("a", await held_worker(release, arrived))
+    await fleet.run_router(tokenizer, worker_connections=1, pool_timeout=0.3, worker_timeout=5.0)
+    first = asyncio.create_task(complete(fleet, PROMPT))
+    await asyncio.wait_for(arrived.wait(), 30)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fleet.router_url}/v1/completions", json=PROMPT) as response:
+            assert (response.status, response.headers.get("Retry-After")) == (503, "1")
+    assert counter(fleet, "busy", "a/dp0") == 1
+    assert fleet.app is not None and "a/dp0" in fleet.app.router.eligible()
+    release.set()
+    assert (await first)[:3:2] == (200, "a/dp0")
+    assert (await complete(fleet, PROMPT))[0] == 200
+
+
+async def test_a_half_sent_second_request_on_a_keep_alive_connection_is_closed(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """--header-timeout used to cover a connection's first request only: half of a
+    second one kept the connection open 75-90 s."""
+    await fleet.worker("a")
+    await fleet.run_router(tokenizer, header_timeout=0.5)
+    reader, writer = await asyncio.open_connection(*host_port(fleet))
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        length = next(
+            int(line.split(b":")[1]) for line in head.split(b"\r\n") if b"Content-Length" in line
+        )
+        await asyncio.wait_for(reader.readexactly(length), 10)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed
+    finally:
+        writer.close()
+    assert counter(fleet, "slow_clients") >= 1
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+async def test_a_worker_that_gzips_reaches_the_client_readable(
+    fleet: Fleet, tokenizer: Path, streamed: bool
+) -> None:
+    """The worker's Content-Encoding: gzip used to be passed on over the body aiohttp
+    had already decompressed: the client could not read it."""
+    encodings: list[str] = []
+    events = [b'data: {"choices": []}\n\n', b'data: {"choices": [], "usage": %s}\n\n']
+
+    async def gzipping(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        encodings.append(request.headers.get("Accept-Encoding", ""))
+        usage = json.dumps(USAGE).encode()
+        if not streamed:
+            response = web.json_response({"id": "cmpl-1", "choices": [], "usage": USAGE})
+            response.enable_compression(force=web.ContentCoding.gzip)  # asked or not
+            return response
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        stream.enable_compression(force=web.ContentCoding.gzip)
+        await stream.prepare(request)
+        for event in (events[0], events[1] % usage, b"data: [DONE]\n\n"):
+            await stream.write(event)
+        return stream
+
+    await fleet.worker("a", gzipping)
+    await fleet.run_router(tokenizer)
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        async with session.post(
+            f"{fleet.router_url}/v1/completions", json={**PROMPT, "stream": streamed}
+        ) as response:
+            raw = await response.read()
+            encoding = response.headers.get("Content-Encoding")
+    assert response.status == 200 and encoding is None
+    if streamed:
+        assert raw.endswith(b"data: [DONE]\n\n") and b'"cached_tokens": 3' in raw
+    else:
+        assert json.loads(raw)["usage"] == USAGE
+    assert encodings == ["identity"]  # the router asks for none
+    # The router read the usage: its prediction was checked against it.
+    assert fleet.app is not None
+    assert fleet.app.metrics.reported.labels("a/dp0", "kv")._sum.get() == 3
+
+
+async def test_sigterm_ends_the_router_while_the_bus_is_stopped_mid_stream(
+    tmp_path: Path, tokenizer: Path
+) -> None:
+    """``kvbus router`` on SIGTERM used to wait 60 s for streams in flight and 10 s for
+    its routes publisher when the bus did not answer."""
+    nats = NatsServer(tmp_path)
+    nats.start()
+    streaming = asyncio.Event()
+    fleet = Fleet(nats.url)
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        streaming.set()
+        while True:
+            await response.write(b'data: {"choices": []}\n\n')
+            await asyncio.sleep(0.1)
+
+    await fleet.worker("a", endless)
+    beat = asyncio.create_task(beat_forever(nats.url, "a/dp0"))
+    router = RouterProcess(
+        tmp_path,
+        fleet.workers,
+        "kv",
+        nats.url,
+        extra=["--tokenizer", str(tokenizer), "--routes-stream", "routes"],
+        cli=True,
+    )
+    router.launch()
+    try:
+        await asyncio.to_thread(router.wait_ready, 1, 90)
+        async with aiohttp.ClientSession() as session:
+            body = {**PROMPT, "stream": True}
+            async with session.post(f"{router.url}/v1/completions", json=body) as response:
+                await response.content.readline()
+                await asyncio.wait_for(streaming.wait(), 10)
+                assert nats.process is not None
+                os.kill(nats.process.pid, signal.SIGSTOP)  # the bus stops answering
+                await asyncio.sleep(0.5)
+                assert router.process is not None
+                router.process.send_signal(signal.SIGTERM)
+                # Bounded, and generous: the point is that it ends, not how fast.
+                code = await asyncio.to_thread(router.process.wait, 15)
+        assert code == 0, router.log_tail()
+    except subprocess.TimeoutExpired as still_running:
+        tail = router.log_tail()
+        raise AssertionError(f"kvbus router running 15 s after SIGTERM\n{tail}") from still_running
+    finally:
+        beat.cancel()
+        if nats.process is not None and nats.process.poll() is None:
+            os.kill(nats.process.pid, signal.SIGCONT)
+        router.kill()
+        await asyncio.gather(beat, return_exceptions=True)
+        await fleet.close()
+        nats.stop()
+
+
+async def beat_forever(url: str, source: str) -> None:
+    """A worker's load every half second, as the stat logger sends it."""
+    publisher = kvbus.Publisher(url, stream="metrics", source=source)
+    try:
+        while True:
+            record = LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0)
+            publisher.publish(record, Kind.METRICS)
+            await asyncio.sleep(0.5)
+    finally:
+        publisher.close(0.5)
