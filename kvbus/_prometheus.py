@@ -33,6 +33,36 @@ _PUBLISHER_GAUGES = (
     ("queue_messages", "Messages queued, not yet sent."),
     ("queue_bytes", "Payload bytes queued, not yet sent."),
 )
+_SUBSCRIBER_COUNTERS = (
+    ("delivered", "Messages delivered to the consumer."),
+    ("duplicates", "Copies dropped."),
+    ("transport_errors", "Reads that failed and were retried."),
+    (
+        "skipped_events",
+        "Events skipped inside KV batches: unknown type or malformed (counted when a "
+        "batch is first read).",
+    ),
+    (
+        "evicted_sources",
+        "Sources forgotten because more than max_sources were tracked (one that comes "
+        "back starts over with a joined resync).",
+    ),
+    (
+        "gaps_declared_early",
+        "Gaps declared lost before gap_timeout: too much was held back for them "
+        "(65,536 messages of one source, or max_held_bytes in all).",
+    ),
+    ("repair_entries", "History entries read searching for missing seqs."),
+    (
+        "repairs_limited",
+        "History searches cut short or skipped: the subscription had read as many "
+        "history entries as it may (one per entry read live, beyond 65,536).",
+    ),
+    ("snapshot_reads", "Reads of the stored snapshots (snapshot mode)."),
+    ("snapshots", "Snapshots delivered (snapshot mode)."),
+)
+"""Subscriber counters served as ``kvbus_subscriber_<name>_total{stream}``; the others
+(resyncs, gaps, rejections) have a label of their own."""
 
 
 class BusCollector(Collector):
@@ -84,18 +114,11 @@ def _publisher_metrics(samples: list[PublisherSample]) -> Iterator[Metric]:
 
 def _subscriber_metrics(samples: list[SubscriberSample]) -> Iterator[Metric]:
     stream = ["stream"]
-
-    def counter(name: str, doc: str, value: Callable[[SubscriberSample], int]) -> Metric:
-        family = CounterMetricFamily(f"kvbus_subscriber_{name}", doc, labels=stream)
+    for name, doc in _SUBSCRIBER_COUNTERS:
+        counter = CounterMetricFamily(f"kvbus_subscriber_{name}", doc, labels=stream)
         for s in samples:
-            family.add_metric([s.stream], value(s))
-        return family
-
-    yield counter("delivered", "Messages delivered to the consumer.", lambda s: s.delivered)
-    yield counter("duplicates", "Copies dropped.", lambda s: s.duplicates)
-    yield counter(
-        "transport_errors", "Reads that failed and were retried.", lambda s: s.transport_errors
-    )
+            counter.add_metric([s.stream], getattr(s, name))
+        yield counter
     resyncs = CounterMetricFamily(
         "kvbus_subscriber_resyncs",
         "Resyncs delivered, by reason (new_epoch, gap, dropped, joined, malformed).",

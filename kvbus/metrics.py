@@ -25,10 +25,22 @@ Series (labels ``stream`` and ``source`` for publishers, ``stream`` for subscrib
 - ``kvbus_subscriber_delivered_total``, ``_resyncs_total{reason}``,
   ``_gaps_total{outcome="repaired"|"lost"}``, ``_duplicates_total``,
   ``_rejected_total{reason}`` (malformed, oversized, future_version, unknown_kind,
-  implausible, forged, stale), ``_transport_errors_total``, ``_lag_seconds`` (age of
-  the oldest message read from the transport and not yet delivered: how far behind the
-  live edge the consumer reads; 0 when it keeps up) and ``_lag_messages`` (messages read
-  from the transport and not yet delivered to the consumer).
+  implausible, forged, stale), ``_skipped_events_total`` (events inside good batches),
+  ``_transport_errors_total``, ``_lag_seconds`` (age of the oldest message read from
+  the transport and not yet delivered: how far behind the live edge the consumer
+  reads; 0 when it keeps up) and ``_lag_messages`` (messages read from the transport
+  and not yet delivered to the consumer).
+- The subscriber's limits, each counted when hit: ``_evicted_sources_total`` (more
+  than ``max_sources`` tracked), ``_gaps_declared_early_total`` (too much held back
+  for a gap: 65,536 messages of one source, or ``max_held_bytes``),
+  ``_repairs_limited_total`` (history searches cut short or skipped: the history-read
+  budget was spent); and the work they bound: ``_repair_entries_total`` (history
+  entries read for gaps), ``_snapshot_reads_total`` and ``_snapshots_total``
+  (snapshot mode: reads of the stored snapshots, snapshots delivered).
+
+Every counter of `kvbus.SubscriptionStats` is served (``resyncs`` as the sum of
+``_resyncs_total``), so that a limit being hit shows on a dashboard, not only in a
+rate-limited log line.
 
 Importing this module imports no Prometheus code; `collector` does, on first use.
 """
@@ -68,6 +80,11 @@ METRICS_DIR_ENV: Final = "KVBUS_METRICS_DIR"
 APPEND_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 """Upper bounds (seconds) of the append latency histogram's buckets (+Inf is implied)."""
 REPORT_INTERVAL: Final = 1.0
+REPORT_FORMAT: Final = 2
+"""The layout of a `Report` file: bumped whenever a field is added, removed or changes
+meaning (2: the subscriber's limit counters, and this number; 1: files without it).
+A reader skips a report of another format (``mismatched``): a process of another kvbus
+version may share ``KVBUS_METRICS_DIR`` for the length of an upgrade."""
 MAX_REPORT_BYTES: Final = 1 << 20
 """A report file larger than this is not read (they are a few hundred bytes per object)."""
 MAX_REPORT_FILES: Final = 1024
@@ -115,6 +132,13 @@ class SubscriberSample(msgspec.Struct, frozen=True):
     transport_errors: int
     lag_seconds: float
     lag_messages: int
+    skipped_events: int
+    evicted_sources: int
+    gaps_declared_early: int
+    repair_entries: int
+    repairs_limited: int
+    snapshot_reads: int
+    snapshots: int
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -123,6 +147,14 @@ class Report(msgspec.Struct, frozen=True):
     pid: int
     publishers: list[PublisherSample]
     subscribers: list[SubscriberSample]
+    format: int = REPORT_FORMAT
+
+
+class _ReportFormat(msgspec.Struct):
+    """Only the format of a report file (the rest of it is skipped unread), so that one
+    of another kvbus version is told apart from a malformed one."""
+
+    format: int = 1  # the files written before the field existed
 
 
 _publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
@@ -213,6 +245,13 @@ def _subscriber_sample(
         transport_errors=stats.transport_errors,
         lag_seconds=lag,
         lag_messages=backlog,
+        skipped_events=stats.skipped_events,
+        evicted_sources=stats.evicted_sources,
+        gaps_declared_early=stats.gaps_declared_early,
+        repair_entries=stats.repair_entries,
+        repairs_limited=stats.repairs_limited,
+        snapshot_reads=stats.snapshot_reads,
+        snapshots=stats.snapshots,
     )
 
 
@@ -237,6 +276,7 @@ def report() -> Report:
 # --- reports between processes ----------------------------------------------------------
 
 _report_decoder: Final = msgspec.msgpack.Decoder(Report)
+_format_decoder: Final = msgspec.msgpack.Decoder(_ReportFormat)
 _reporter_started: set[str] = set()
 _reporter_lock = threading.Lock()
 
@@ -293,8 +333,8 @@ skipped_reports: dict[str, int] = {}
 as ``kvbus_metrics_reports_skipped_total``): ``name`` (not ``<pid>.msgpack`` with a pid
 in range), ``not_file`` (a FIFO, a link, a directory...), ``oversized`` (over
 `MAX_REPORT_BYTES`), ``malformed`` (unreadable or not a `Report`), ``mismatched`` (a
-pid other than its name's, or another number of histogram buckets: another kvbus
-version), ``too_many`` (past `MAX_REPORT_FILES`)."""
+pid other than its name's, or another `REPORT_FORMAT` or number of histogram buckets:
+another kvbus version), ``too_many`` (past `MAX_REPORT_FILES`)."""
 _skipped_lock = threading.Lock()
 
 
@@ -302,7 +342,11 @@ def _skip(reason: str, name: str, detail: object = "") -> None:
     with _skipped_lock:
         skipped_reports[reason] = skipped_reports.get(reason, 0) + 1
     _limited.warning(
-        f"report_{reason}", "kvbus: metrics report %s skipped (%s) %s", shown(name), reason, detail
+        f"report_{reason}",
+        "kvbus: metrics report %s skipped (%s) %s",
+        shown(name),
+        reason,
+        shown(str(detail)) if detail else "",
     )
 
 
@@ -374,6 +418,10 @@ def _read_report(entry: os.DirEntry[str]) -> Report | None:
         _skip("oversized", entry.name)
         return None
     try:
+        found_format = _format_decoder.decode(data).format
+        if found_format != REPORT_FORMAT:
+            _skip("mismatched", entry.name, f"format {found_format}, not {REPORT_FORMAT}")
+            return None
         return _report_decoder.decode(data)
     except msgspec.DecodeError as error:
         _skip("malformed", entry.name, error)

@@ -43,7 +43,7 @@ from kvbus.events import (
     SourceStarted,
     SourceStopped,
 )
-from kvbus.logs import LimitedLog, shown
+from kvbus.logs import MAX_SHOWN_NAME, LimitedLog, displayable, shown, terminal_safe_json
 from kvbus.metrics import add_counts
 from kvbus.subscribe import (
     DEFAULT_MAX_SOURCES,
@@ -73,67 +73,6 @@ _DIGITS: Final = re.compile(r"(\d+)")
 _MAX_WINDOW_RECORDS: Final = 4096
 """Load records kept per worker for the hit-rate window (the stat logger sends at most
 4 a second: 17 minutes of them)."""
-MAX_SHOWN_NAME: Final = 64
-"""Characters of a name from the network (a source, a medium) drawn at most; the middle
-of a longer one is elided."""
-
-
-# --- text from the network, made safe to show ------------------------------------------
-
-
-def displayable(text: str, limit: int = MAX_SHOWN_NAME) -> str:
-    """``text`` (a name from the network) as it may be drawn on a terminal.
-
-    Every character Python does not call printable is written as its escape (``\\x1b``,
-    ``\\u202e``): C0 and C1 controls, so ESC and with it every escape sequence (CSI,
-    OSC 52 clipboard writes, OSC 8 hyperlinks, titles, clear-screen), DEL, bidi
-    overrides, zero-width and other format characters, separators other than the
-    space. At most ``limit`` characters are kept (at least 8), the middle of a longer
-    text elided; the cost is O(limit) whatever the length of ``text``. It does not
-    escape rich markup: draw the result as a `rich.text.Text`, never as a markup
-    string."""
-    limit = max(8, limit)
-    text = _clip(text, limit)
-    if text.isprintable():
-        return text
-    escaped = "".join(c if c.isprintable() else _escape(c) for c in text)
-    return _clip(escaped, limit)
-
-
-def _escape(char: str) -> str:
-    return char.encode("unicode_escape").decode("ascii")
-
-
-def _clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    tail = (limit - 3) // 2
-    return f"{text[: limit - 3 - tail]}...{text[len(text) - tail :]}"
-
-
-_NOT_ASCII_PRINTABLE: Final = re.compile(r"[^\x20-\x7e]")
-
-
-def terminal_safe_json(document: bytes) -> bytes:
-    """``document`` (UTF-8 JSON) with every character that is not printable written as a
-    ``\\uXXXX`` escape: the same document to a JSON reader, and no control or format
-    character reaches a terminal it is printed on (msgspec escapes C0 controls only, not
-    DEL, C1 controls such as the 8-bit CSI, or bidi overrides)."""
-    if document.isascii() and b"\x7f" not in document:
-        return document  # the usual case: names in ASCII
-    text = _NOT_ASCII_PRINTABLE.sub(_json_escape, document.decode())
-    return text.encode()
-
-
-def _json_escape(match: re.Match[str]) -> str:
-    char = match.group()
-    if char.isprintable():
-        return char
-    code = ord(char)
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    code -= 0x10000  # a UTF-16 surrogate pair, as JSON writes characters past the BMP
-    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 # --- the report (the JSON schema of `kvbus top --once --json`) -------------------------
@@ -807,6 +746,7 @@ async def _every(interval: float, watcher: Watcher, draw: Callable[[], None]) ->
 
 
 __all__ = [
+    "MAX_SHOWN_NAME",  # moved to kvbus.logs, with displayable and terminal_safe_json
     "Fleet",
     "FleetTotals",
     "StreamView",
