@@ -74,12 +74,14 @@ from yarl import URL
 import kvbus
 import kvbus.metrics
 from kvbus.envelope import Kind
+from kvbus.logs import LimitedLog, shown
 from kvbus.router import CostWeights, Decision, Policy, Router
 from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
 from kvbus.transports import open_transport
 
 log = logging.getLogger("kvbus.router")
+_limited_log = LimitedLog(log)  # one line a second per kind: bus items may come in floods
 _RANK: Final = re.compile(r"/dp(\d+)$")
 _STREAM_TAIL: Final = 8192
 _HOP_BY_HOP: Final = {
@@ -525,7 +527,12 @@ class RouterApp:
                             apply(item)
                         except Exception:  # one bad item must not stop the router
                             self.metrics.bad_items.inc()
-                            log.exception("could not apply %s item from %s", stream, item.source)
+                            _limited_log.exception(
+                                "apply",
+                                "could not apply %s item from %s",
+                                stream,
+                                shown(item.source),
+                            )
                 return sub.cursor
             except asyncio.CancelledError:
                 raise

@@ -106,7 +106,19 @@ class LimitedLog:
     def info(self, kind: str, message: str, *args: object) -> None:
         self._log(logging.INFO, kind, message, args)
 
-    def _log(self, level: int, kind: str, message: str, args: tuple[object, ...]) -> None:
+    def exception(self, kind: str, message: str, *args: object) -> None:
+        """An error with the exception being handled, as `logging.Logger.exception`."""
+        self._log(logging.ERROR, kind, message, args, exc_info=True)
+
+    def _log(
+        self,
+        level: int,
+        kind: str,
+        message: str,
+        args: tuple[object, ...],
+        *,
+        exc_info: bool = False,
+    ) -> None:
         if not self._logger.isEnabledFor(level):
             return  # nothing shown: nothing to count as held back either
         now = time.monotonic()
@@ -117,4 +129,4 @@ class LimitedLog:
         held_back = self._held_back.pop(kind, 0)
         if held_back:
             message += f" (and {held_back} more like it since the previous one shown)"
-        self._logger.log(level, message, *args, stacklevel=3)
+        self._logger.log(level, message, *args, exc_info=exc_info, stacklevel=3)

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import signal
@@ -440,3 +441,20 @@ def test_a_bad_report_file_is_skipped_and_counted(
     assert sent(after, "good") == 7  # the good report is read all the same
     assert sent(after, "other-version") is None
     assert skipped(after, reason) - skipped(before, reason) == 1
+
+
+def test_a_limited_exception_line_carries_its_traceback_once_a_second(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvbus.logs import LimitedLog
+
+    limited = LimitedLog(logging.getLogger("kvbus.test.limited"), interval=3600)
+    with caplog.at_level(logging.ERROR, logger="kvbus.test.limited"):
+        for _ in range(100):
+            try:
+                raise ValueError("bad item")
+            except ValueError:
+                limited.exception("apply", "could not apply item from %s", "'\\x1b[2J'")
+    assert len(caplog.records) == 1
+    assert caplog.records[0].exc_info is not None
+    assert "bad item" in caplog.text
