@@ -32,10 +32,10 @@ from kvbus.events import (
     KVEventBatch,
     decode_raw,
 )
-from kvbus.logs import LimitedLog
+from kvbus.logs import LimitedLog, displayable, terminal_safe_json
 from kvbus.publisher import Publisher
+from kvbus.snapshot import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_COPIES
 from kvbus.subscribe import Cursor, Message, Resync, subscribe
-from kvbus.top import displayable, terminal_safe_json
 
 _json = msgspec.json.Encoder()
 _limited = LimitedLog(logging.getLogger("kvbus.cli"))
@@ -260,10 +260,30 @@ async def _bridge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(convert: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse ``type``: ``convert``, refusing zero and negative values."""
+
+    def positive(text: str) -> float:
+        value = convert(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+        return value
+
+    positive.__name__ = convert.__name__  # argparse names it in "invalid int value"
+    return positive
+
+
 async def _compact(args: argparse.Namespace) -> int:
     from kvbus.compact import compact
 
-    return await compact(args.url, args.stream, args.interval, follow=not args.once)
+    return await compact(
+        args.url,
+        args.stream,
+        args.interval,
+        follow=not args.once,
+        max_copies=args.max_copies,
+        max_blocks=args.max_blocks,
+    )
 
 
 async def _top(args: argparse.Namespace) -> int:
@@ -325,11 +345,24 @@ def main(argv: list[str] | None = None) -> int:
     compact.add_argument("--url", help="transport URL (default $KVBUS_URL, else memory://)")
     compact.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
     compact.add_argument(
-        "--interval", type=float, default=10.0, help="seconds between snapshots (default 10)"
-    )
+        "--interval", type=_positive(float), default=10.0,
+        help="seconds between snapshot writes, made on time whether items arrive or not, "
+        "of the sources that changed (default 10)",
+    )  # fmt: skip
     compact.add_argument(
         "--once", action="store_true", help="fold to the end of the stream, store, and stop"
     )
+    compact.add_argument(
+        "--max-copies", type=_positive(int), default=DEFAULT_MAX_COPIES,
+        help="copies of one block a source's fold counts; stores past it are not counted "
+        f"(reported as capped copies) (default {DEFAULT_MAX_COPIES})",
+    )  # fmt: skip
+    compact.add_argument(
+        "--max-blocks", type=_positive(int), default=DEFAULT_MAX_BLOCKS,
+        help="cached block copies a source may claim in all; one that claims more gets no "
+        "snapshot until it clears its cache or restarts (reported as overflowed sources) "
+        f"(default {DEFAULT_MAX_BLOCKS})",
+    )  # fmt: skip
 
     from kvbus import top
 

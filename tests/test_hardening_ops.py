@@ -300,8 +300,7 @@ async def test_sigterm_stops_compact_during_a_redis_outage(outage: str, tmp_path
     )  # fmt: skip
     client = redis.asyncio.Redis(port=server.port)
     try:
-        # Running: it has stored a snapshot, which it does on an item once the
-        # interval has passed.
+        # Running: it has stored a snapshot (every --interval once something changed).
         deadline = time.monotonic() + 30
         while not await client.exists(f"kvbus:{stream}:snapshots"):
             assert time.monotonic() < deadline and compact.poll() is None, "compact never ran"
