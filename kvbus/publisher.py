@@ -12,6 +12,7 @@ which seqs will never arrive.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import itertools
@@ -32,6 +33,7 @@ from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, decode_envelope, enco
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
 from kvbus.logs import LimitedLog
 from kvbus.retry import log_failure, retry_forever
+from kvbus.shutdown import CLOSE_WITHIN, cancel_sticks, close_within
 from kvbus.transports import Record, RecordTooLarge, Transport, open_transport
 from kvbus.transports.packing import DEFAULT_RECORDS
 
@@ -203,7 +205,8 @@ class Publisher:
             target=self._loop.run_forever, name=f"kvbus-publisher-{self.stream}", daemon=True
         )
         self._thread.start()
-        self._sender = asyncio.run_coroutine_threadsafe(self._send_forever(), self._loop)
+        self._sending: asyncio.Task[None] | None = None  # the sender, in the thread's loop
+        self._sender = asyncio.run_coroutine_threadsafe(self._run_sender(), self._loop)
         metrics.track_publisher(self)
         _open_publishers.add(self)
         self.publish(
@@ -294,6 +297,19 @@ class Publisher:
             self._loop.call_soon_threadsafe(self._wakeup.set)
 
     # --- sender thread ---------------------------------------------------------------
+
+    async def _run_sender(self) -> None:
+        # A task whose cancel sticks: the backend's client may swallow the cancel close()
+        # sends when it gives up (kvbus.shutdown), and the sender must end all the same.
+        self._sending = cancel_sticks(self._send_forever(), name=f"kvbus-sender-{self.stream}")
+        await self._sending
+
+    async def _stop_sending(self) -> None:
+        """Cancel the sender and give it `CLOSE_WITHIN` seconds to end."""
+        sending = self._sending
+        if sending is not None and not sending.done():
+            sending.cancel()
+            await asyncio.wait([sending], timeout=CLOSE_WITHIN)
 
     async def _send_forever(self) -> None:
         last_sent = 0
@@ -441,7 +457,12 @@ class Publisher:
 
     def close(self, timeout: float = 10.0) -> None:
         """Publish ``SourceStopped``, send what is queued (up to ``timeout`` seconds),
-        close the transport and stop the sender thread. Idempotent."""
+        close the transport and stop the sender thread. Idempotent.
+
+        Ends within about ``timeout`` + 2 s whatever the backend does (a server down or
+        stopped, a client that swallows a cancel): what is still unsent after
+        ``timeout`` is counted in ``stats.dropped``, the sender is cancelled and given
+        `CLOSE_WITHIN` seconds, and so is the transport's close."""
         with self._lock:
             if self._closed:
                 return
@@ -451,24 +472,41 @@ class Publisher:
         self._wake_sender()
         try:
             self._sender.result(timeout)
-        except TimeoutError:
+        except (TimeoutError, concurrent.futures.CancelledError):  # the latter: aclose()
             self._sender.cancel()
+            stopping = asyncio.run_coroutine_threadsafe(self._stop_sending(), self._loop)
+            with contextlib.suppress(TimeoutError):
+                stopping.result(2 * CLOSE_WITHIN)
             unsent = self.stats.published - self._settled
             with self._lock:
                 self.stats.dropped += unsent
             log.error("kvbus: closed with %d messages unsent to %s", unsent, redact_url(self.url))
-        close = asyncio.run_coroutine_threadsafe(self._transport.aclose(), self._loop)
+        what = f"transport {redact_url(self.url)}"
+        close = asyncio.run_coroutine_threadsafe(
+            close_within(self._transport.aclose(), what), self._loop
+        )
         try:
-            close.result(timeout)
+            close.result(2 * CLOSE_WITHIN)
         except Exception:
-            log.exception("kvbus: closing transport %s failed", redact_url(self.url))
+            log.exception("kvbus: closing %s failed", what)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self._loop.close()  # the pipe is closed with the Publisher: see __init__
 
     async def aclose(self, timeout: float = 10.0) -> None:
-        await asyncio.to_thread(self.close, timeout)
+        """`close` without blocking the event loop. Cancelled (a timeout around it,
+        ``asyncio.run`` ending), it gives up on what is still queued at once rather
+        than after ``timeout``, and waits up to about 2 s for the close to end."""
+        closing = asyncio.ensure_future(asyncio.to_thread(self.close, timeout))
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            self._sender.cancel()  # close() stops waiting for the sender: see there
+            await asyncio.wait([closing], timeout=3 * CLOSE_WITHIN)
+            if closing.done() and not closing.cancelled() and closing.exception():
+                log.error("kvbus: closing %r failed: %r", self, closing.exception())
+            raise
 
     def __enter__(self) -> Publisher:
         return self

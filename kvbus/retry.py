@@ -8,6 +8,7 @@ from collections.abc import Callable
 import tenacity
 
 from kvbus.config import redact_text
+from kvbus.shutdown import raise_if_cancelling
 
 
 def retry_forever(
@@ -18,15 +19,21 @@ def retry_forever(
     logs a warning naming ``what`` failed, with the credentials of ``url`` blanked out.
 
     The backoff is capped low so that a backend back from a restart is used again
-    within half a second: a publisher's queue fills while it waits."""
+    within half a second: a publisher's queue fills while it waits.
+
+    A cancel of the calling task that the backend's client swallowed (the failure being
+    retried may be what it turned the cancel into) is raised before each attempt and
+    each backoff: a cancelled retry never goes on (`kvbus.shutdown`)."""
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
+        raise_if_cancelling()
         on_failure()
         log_failure(logger, what, state.outcome.exception() if state.outcome else None, url)
 
     return tenacity.AsyncRetrying(
         wait=tenacity.wait_random_exponential(multiplier=0.02, max=0.5),
         retry=tenacity.retry_if_exception_type(Exception),
+        before=lambda _state: raise_if_cancelling(),
         before_sleep=before_sleep,
     )
 

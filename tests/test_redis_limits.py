@@ -6,16 +6,18 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as redis
 from kvbus.transports import Record, open_transport
+from kvbus.transports.redis import RedisTransport
 
 import kvbus
 
 from .conftest import envelope, kv_payload, seqs
-from .servers import RedisServer
+from .servers import RedisSentinel, RedisServer
 
 EPOCH = time.time_ns() - 10**9
 
@@ -130,3 +132,186 @@ async def test_a_consumer_leaving_mid_read_is_not_kept_waiting(
         closing = asyncio.create_task(sub.aclose())
         await asyncio.wait([closing], timeout=10)  # the old reader: never
         assert closing.done() and sub._reader is not None and sub._reader.done()
+
+
+# --- Sentinels: a primary is the one a quorum of them names ---------------------------
+
+SERVER_PASSWORD = "s3cret-primary-pass"
+
+
+class PasswordRedis(RedisServer):
+    def command(self) -> list[str]:
+        return [*super().command(), "--requirepass", SERVER_PASSWORD]
+
+
+class PasswordSentinel(RedisSentinel):
+    """A real Sentinel watching a primary that wants a password."""
+
+    def command(self) -> list[str]:
+        command = super().command()
+        with (self.data_dir / "sentinel.conf").open("a") as config:
+            config.write(f"sentinel auth-pass kvbus {SERVER_PASSWORD}\n")
+        return command
+
+
+def _resp(value: object, resp3: bool) -> bytes:
+    """``value`` in RESP: str as a simple string, int, list, dict (a map in RESP3, a flat
+    array in RESP2)."""
+    if isinstance(value, str):
+        return f"+{value}\r\n".encode()
+    if isinstance(value, int):
+        return f":{value}\r\n".encode()
+    if isinstance(value, list):
+        return f"*{len(value)}\r\n".encode() + b"".join(_resp(v, resp3) for v in value)
+    assert isinstance(value, dict)
+    if resp3:
+        pairs = b"".join(_resp(k, resp3) + _resp(v, resp3) for k, v in value.items())
+        return f"%{len(value)}\r\n".encode() + pairs
+    return _resp([x for kv in value.items() for x in kv], resp3)
+
+
+class FakeSentinel:
+    """A TCP server speaking just enough RESP to pass for a Sentinel that names
+    ``primary_port`` (a server of the attacker's) as the healthy primary of ``kvbus``."""
+
+    def __init__(self, primary_port: int) -> None:
+        self.state = {
+            "name": "kvbus",
+            "ip": "127.0.0.1",
+            "port": str(primary_port),
+            "runid": "0" * 40,
+            "flags": "master",
+            "num-slaves": "0",
+            "num-other-sentinels": "2",
+            "quorum": "1",
+        }
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        resp3 = False
+        try:
+            while line := await reader.readline():
+                args = []
+                for _ in range(int(line[1:])):
+                    size = int((await reader.readline())[1:])
+                    args.append((await reader.readexactly(size + 2))[:-2].decode().upper())
+                if args[0] == "HELLO":
+                    resp3 = args[1:2] == ["3"]
+                    reply: object = {"server": "redis", "proto": 3 if resp3 else 2}
+                elif args[:2] == ["SENTINEL", "MASTER"]:
+                    reply = self.state
+                elif args[:2] == ["SENTINEL", "MASTERS"]:
+                    reply = [self.state]
+                elif args[0] == "PING":
+                    reply = "PONG"
+                else:
+                    reply = "OK"
+                writer.write(_resp(reply, resp3))
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+class Eavesdropper:
+    """The attacker's 'primary': records everything sent to it."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        while data := await reader.read(65536):
+            self.received += data
+            writer.write(b"+OK\r\n")
+        writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@pytest.fixture
+async def lying_sentinel_setup(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[RedisServer, list[RedisSentinel], FakeSentinel, Eavesdropper]]:
+    """A password-protected primary watched by two real Sentinels, and an attacker's
+    Sentinel that names the attacker's server instead."""
+    primary = PasswordRedis(tmp_path)
+    sentinel_dirs = [tmp_path / "s1", tmp_path / "s2"]
+    for directory in sentinel_dirs:
+        directory.mkdir()
+    sentinels: list[RedisSentinel] = [PasswordSentinel(d, primary) for d in sentinel_dirs]
+    eavesdropper = Eavesdropper()
+    fake = FakeSentinel(await eavesdropper.start())
+    await fake.start()
+    for server in (primary, *sentinels):
+        await asyncio.to_thread(server.start)
+    yield primary, sentinels, fake, eavesdropper
+    await fake.close()
+    await eavesdropper.close()
+    for server in (*sentinels, primary):
+        await asyncio.to_thread(server.stop)
+
+
+async def test_a_lying_sentinel_listed_first_gets_neither_password_nor_appends(
+    lying_sentinel_setup: tuple[RedisServer, list[RedisSentinel], FakeSentinel, Eavesdropper],
+) -> None:
+    """redis-py's Sentinel used the first Sentinel that answered: a fake one listed first
+    got the server password and every append (counted as sent) sent to its server. Now
+    two of the three Sentinels must name the primary."""
+    primary, sentinels, fake, eavesdropper = lying_sentinel_setup
+    assert fake.server is not None
+    fake_port = fake.server.sockets[0].getsockname()[1]
+    hosts = ",".join(f"127.0.0.1:{port}" for port in (fake_port, *(s.port for s in sentinels)))
+    url = f"redis+sentinel://:{SERVER_PASSWORD}@{hosts}/kvbus"
+    publisher = kvbus.Publisher(url, stream="quorum", source="engine")
+    for i in range(100):
+        publisher.publish(kv_payload(i))
+    flushed = await publisher.aflush(10)
+    await publisher.aclose()
+    assert SERVER_PASSWORD.encode() not in eavesdropper.received
+    assert eavesdropper.connections == 0
+    assert flushed and publisher.stats.sent == 102  # SourceStarted .. SourceStopped
+    check = redis.Redis(port=primary.port, password=SERVER_PASSWORD)
+    stored = await check.xrange("kvbus:quorum")
+    await check.aclose()
+    assert len(stored) >= 1  # packs: the appends reached the real primary
+    items = [i async for i in kvbus.subscribe("quorum", url, follow=False)]
+    assert seqs(items) == list(range(1, 103))
+
+
+async def test_sentinels_that_disagree_name_no_primary(
+    lying_sentinel_setup: tuple[RedisServer, list[RedisSentinel], FakeSentinel, Eavesdropper],
+) -> None:
+    """With the fake and one real Sentinel (a majority is both), no address is used and
+    the disagreement is counted; ``sentinel_quorum=1`` is the operator's own choice."""
+    _primary, sentinels, fake, eavesdropper = lying_sentinel_setup
+    assert fake.server is not None
+    fake_port = fake.server.sockets[0].getsockname()[1]
+    hosts = f"127.0.0.1:{fake_port},127.0.0.1:{sentinels[0].port}"
+    transport = open_transport(f"redis+sentinel://:{SERVER_PASSWORD}@{hosts}/kvbus")
+    assert isinstance(transport, RedisTransport)
+    with pytest.raises(redis.ConnectionError, match="named by 2 of 2 Sentinels"):
+        await transport.append("split", [Record("e", "e:1:1", b"x")])
+    assert transport.sentinel_disagreements >= 1
+    await transport.aclose()
+    assert eavesdropper.connections == 0
+    with pytest.raises(ValueError, match="sentinel_quorum=3"):
+        open_transport(f"redis+sentinel://{hosts}/kvbus?sentinel_quorum=3")

@@ -24,7 +24,14 @@ Replicas: ``redis+sentinel://[[USER]:PASS@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]
 (``rediss+sentinel://`` for TLS) names Sentinels (default port 26379) rather than a
 server; kvbus uses the primary they name for SERVICE and asks them again whenever a
 connection fails, so it follows a failover (redis-py's ``Sentinel``;
-``sentinel_password`` is the Sentinels' own). Replication is asynchronous: an ``XADD``
+``sentinel_password`` is the Sentinels' own). Every listed Sentinel is asked, and a
+primary is used (and sent the password) only when ``sentinel_quorum`` of them name the
+same address, healthy (default: a majority of those listed): one Sentinel that lies, or
+one that an attacker answers for, cannot send kvbus's credentials and appends to a
+server of its choosing. While they disagree (briefly, during a failover) a connection
+fails and is retried; each disagreement is logged (once a second at most) with what
+each Sentinel said, and counted in ``RedisTransport.sentinel_disagreements``.
+Replication is asynchronous: an ``XADD``
 the primary acknowledged and had not yet sent to the replica that is promoted is gone
 after the failover, and consumers get the lost seqs as a gap. ``wait=N`` makes an append
 wait (``WAIT N``, up to ``wait_timeout`` ms, default 1000) until N replicas have it, and
@@ -37,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
 from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
@@ -44,8 +52,13 @@ from urllib.parse import SplitResult, parse_qsl, urlencode, urlsplit, urlunsplit
 import redis.asyncio as redis
 from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
 from kvbus.transports.packing import DEFAULT_RECORDS, make_packs, unpack
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+
+from kvbus.logs import LimitedLog
+from kvbus.shutdown import raise_if_cancelling
 
 log = logging.getLogger("kvbus.transports.redis")
+_limited = LimitedLog(log)
 
 DEFAULT_MAXLEN: Final = 100_000
 DEFAULT_BLOCK_MS: Final = 1000
@@ -82,7 +95,7 @@ class RedisTransport(Transport):
                 self.wait_ms = int(value)
             else:
                 options.append((key, value))
-        self._sentinel: Any = None
+        self._sentinel: _QuorumSentinel | None = None
         if parts.scheme.endswith("+sentinel"):
             self._sentinel, self._client = _sentinel_client(parts, options)
         else:
@@ -161,11 +174,13 @@ class RedisTransport(Transport):
         while True:
             if follow:
                 reply = await client.xread({key: last}, count=count, block=self.block_ms)
-                _raise_if_cancelled()
+                # redis-py can swallow a cancel that lands mid-command (kvbus.shutdown):
+                # a closing reader must not read on (and block in the next XREAD).
+                raise_if_cancelling()
                 batch = _read_entries(reply)
             else:
                 batch = await client.xrange(key, b"(" + last, end, count=count)
-                _raise_if_cancelled()
+                raise_if_cancelling()
                 if not batch:
                     return
             horizon = time.time() * 1000 + _FUTURE_MS
@@ -213,17 +228,85 @@ class RedisTransport(Transport):
                 first[0].decode() if first else "none",
             )
 
+    @property
+    def sentinel_disagreements(self) -> int:
+        """Times the Sentinels asked for the primary named no address ``sentinel_quorum``
+        of them agreed on (0 without Sentinels)."""
+        return self._sentinel.disagreements if self._sentinel is not None else 0
+
     async def aclose(self) -> None:
         await self._client.aclose()
         if self._sentinel is not None:
             await self._sentinel.aclose()
 
 
-def _sentinel_client(parts: SplitResult, options: list[tuple[str, str]]) -> tuple[Any, redis.Redis]:
+class _QuorumSentinel(Sentinel):
+    """redis-py's ``Sentinel``, but a primary's address counts only when ``quorum`` of
+    the Sentinels name it: redis-py takes the first Sentinel that answers with a healthy
+    primary, so a rogue Sentinel listed first (or a host that answers for one) would be
+    sent the server password and every append."""
+
+    def __init__(self, sentinels: list[tuple[str, int]], quorum: int, **options: Any) -> None:
+        super().__init__(sentinels, **options)  # type: ignore[no-untyped-call]
+        self.quorum = quorum
+        self.disagreements = 0
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        answers = await asyncio.gather(
+            *(self._primary_named_by(sentinel, service_name) for sentinel in self.sentinels),
+            return_exceptions=True,
+        )
+        votes = Counter(a for a in answers if isinstance(a, tuple))
+        if votes:
+            address, count = votes.most_common(1)[0]
+            if count >= self.quorum:
+                return address
+        self.disagreements += 1
+        said = ", ".join(
+            f"{_address_of(sentinel)}: {_said(answer)}"
+            for sentinel, answer in zip(self.sentinels, answers, strict=True)
+        )
+        _limited.warning(
+            "sentinel-quorum",
+            "kvbus: no primary for %r named by %d of %d Sentinels (%s); retrying",
+            service_name,
+            self.quorum,
+            len(self.sentinels),
+            said,
+        )
+        raise MasterNotFoundError(
+            f"no primary for {service_name!r} named by {self.quorum} of "
+            f"{len(self.sentinels)} Sentinels ({said})"
+        )
+
+    async def _primary_named_by(self, sentinel: Any, service_name: str) -> tuple[str, int] | None:
+        """The address one Sentinel names as the healthy primary of ``service_name``,
+        None if it names none (errors are raised: a Sentinel down has no vote)."""
+        state = await sentinel.sentinel_master(service_name)
+        if not self.check_master_state(state, service_name):
+            return None
+        return str(state["ip"]), int(state["port"])
+
+
+def _address_of(sentinel: Any) -> str:
+    kwargs = sentinel.connection_pool.connection_kwargs
+    return f"{kwargs.get('host')}:{kwargs.get('port')}"
+
+
+def _said(answer: object) -> str:
+    if isinstance(answer, tuple):
+        return f"{answer[0]}:{answer[1]}"
+    if answer is None:
+        return "no healthy primary"
+    return type(answer).__name__  # an error's text may echo what the peer sent
+
+
+def _sentinel_client(
+    parts: SplitResult, options: list[tuple[str, str]]
+) -> tuple[_QuorumSentinel, redis.Redis]:
     """redis-py's ``Sentinel`` for the hosts of a ``redis+sentinel://`` URL and a client of
     the primary they name for the service in its path."""
     from redis.asyncio.connection import SSLConnection, parse_url
-    from redis.asyncio.sentinel import Sentinel
 
     credentials, _, hosts = parts.netloc.rpartition("@")
     service, _, db = parts.path.strip("/").partition("/")
@@ -231,7 +314,10 @@ def _sentinel_client(parts: SplitResult, options: list[tuple[str, str]]) -> tupl
         raise ValueError("redis+sentinel:// needs HOST:PORT[,HOST:PORT...]/SERVICE")
     sentinels = [urlsplit(f"//{host}") for host in hosts.split(",")]
     sentinel_password = dict(options).get("sentinel_password")
-    options = [(k, v) for k, v in options if k != "sentinel_password"]
+    quorum = int(dict(options).get("sentinel_quorum", len(sentinels) // 2 + 1))
+    if not 1 <= quorum <= len(sentinels):
+        raise ValueError(f"sentinel_quorum={quorum}: 1 to the {len(sentinels)} Sentinels listed")
+    options = [(k, v) for k, v in options if k not in ("sentinel_password", "sentinel_quorum")]
     # The server options, read as redis.from_url reads them.
     scheme = parts.scheme.removesuffix("+sentinel")
     at = f"{credentials}@" if credentials else ""
@@ -243,22 +329,13 @@ def _sentinel_client(parts: SplitResult, options: list[tuple[str, str]]) -> tupl
     sentinel_options = {k: v for k, v in server.items() if k.startswith("socket_")}
     if sentinel_password:
         sentinel_options["password"] = sentinel_password
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+    sentinel = _QuorumSentinel(
         [(s.hostname or "127.0.0.1", s.port or _SENTINEL_PORT) for s in sentinels],
+        quorum,
         sentinel_kwargs=sentinel_options,
         **server,
     )
     return sentinel, sentinel.master_for(service)
-
-
-def _raise_if_cancelled() -> None:
-    # redis-py can swallow a cancellation that lands mid-command (XREAD BLOCK timing
-    # out, an XRANGE reading its reply): the loop would then go on reading (and block
-    # for ever in the next XREAD) for a subscription that is closing.
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)  # Python >= 3.11
-    if cancelling is not None and cancelling():
-        raise asyncio.CancelledError
 
 
 def _key(stream: str) -> str:
