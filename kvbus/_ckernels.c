@@ -779,9 +779,146 @@ done:
     return result;
 }
 
-/* chain(data, step, parent) -> list[int]: hash((parent, None, None, block)) for each
- * full ``step``-byte block of ``data``, each chained from the one before. The tuple is
- * built and hashed by Python itself, so the keys are exactly the pure-Python ones. */
+/* Router keys: BLAKE2b (RFC 7693) with an 8-byte digest, no key, personalization
+ * KEY_PERSON, over (the parent key as 8 little-endian bytes, the block's bytes): the
+ * same keys in every process, as replicas share them (_kernels.block_key, whose
+ * hashlib is the reference; tests/test_index_kernels.py compares the two). Only what
+ * one chained key needs: the parameter block is folded into KEY_IV once at import. */
+static const uint64_t BLAKE2B_IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL,
+    0xa54ff53a5f1d36f1ULL, 0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL,
+    0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+static const unsigned char BLAKE2B_SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+static const char KEY_PERSON[16] = "kvbus.key.v1"; /* zero-padded, as hashlib pads it */
+static uint64_t KEY_IV[8];                         /* BLAKE2B_IV ^ the parameter block */
+
+static inline uint64_t
+load64(const unsigned char *p)
+{
+    uint64_t x = 0;
+    for (int i = 7; i >= 0; i--)
+        x = (x << 8) | p[i];
+    return x;
+}
+
+static inline uint64_t
+rotr64(uint64_t x, int n)
+{
+    return (x >> n) | (x << (64 - n));
+}
+
+static void
+key_iv_init(void)
+{
+    memcpy(KEY_IV, BLAKE2B_IV, sizeof KEY_IV);
+    KEY_IV[0] ^= 0x01010000u | 8u; /* fanout 1, depth 1, no key, an 8-byte digest */
+    KEY_IV[6] ^= load64((const unsigned char *)KEY_PERSON);
+    KEY_IV[7] ^= load64((const unsigned char *)KEY_PERSON + 8);
+}
+
+#define BLAKE2B_G(a, b, c, d, x, y)                                                        \
+    do {                                                                                   \
+        v[a] = v[a] + v[b] + (x);                                                          \
+        v[d] = rotr64(v[d] ^ v[a], 32);                                                    \
+        v[c] = v[c] + v[d];                                                                \
+        v[b] = rotr64(v[b] ^ v[c], 24);                                                    \
+        v[a] = v[a] + v[b] + (y);                                                          \
+        v[d] = rotr64(v[d] ^ v[a], 16);                                                    \
+        v[c] = v[c] + v[d];                                                                \
+        v[b] = rotr64(v[b] ^ v[c], 63);                                                    \
+    } while (0)
+
+#define BLAKE2B_ROUND(r)                                                                   \
+    do {                                                                                   \
+        BLAKE2B_G(0, 4, 8, 12, m[BLAKE2B_SIGMA[r][0]], m[BLAKE2B_SIGMA[r][1]]);            \
+        BLAKE2B_G(1, 5, 9, 13, m[BLAKE2B_SIGMA[r][2]], m[BLAKE2B_SIGMA[r][3]]);            \
+        BLAKE2B_G(2, 6, 10, 14, m[BLAKE2B_SIGMA[r][4]], m[BLAKE2B_SIGMA[r][5]]);           \
+        BLAKE2B_G(3, 7, 11, 15, m[BLAKE2B_SIGMA[r][6]], m[BLAKE2B_SIGMA[r][7]]);           \
+        BLAKE2B_G(0, 5, 10, 15, m[BLAKE2B_SIGMA[r][8]], m[BLAKE2B_SIGMA[r][9]]);           \
+        BLAKE2B_G(1, 6, 11, 12, m[BLAKE2B_SIGMA[r][10]], m[BLAKE2B_SIGMA[r][11]]);         \
+        BLAKE2B_G(2, 7, 8, 13, m[BLAKE2B_SIGMA[r][12]], m[BLAKE2B_SIGMA[r][13]]);          \
+        BLAKE2B_G(3, 4, 9, 14, m[BLAKE2B_SIGMA[r][14]], m[BLAKE2B_SIGMA[r][15]]);          \
+    } while (0)
+
+/* One 128-byte block into h; ``counted``: message bytes so far, this block's included. */
+static void
+blake2b_compress(uint64_t h[8], const unsigned char block[128], uint64_t counted, int last)
+{
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++)
+        m[i] = load64(block + 8 * i);
+    memcpy(v, h, 8 * sizeof *v);
+    memcpy(v + 8, BLAKE2B_IV, 8 * sizeof *v);
+    v[12] ^= counted; /* the counter's high word stays 0: a key hashes < 2**64 bytes */
+    if (last)
+        v[14] = ~v[14];
+    /* Unrolled, so that every message word's index is a constant (2x quicker). */
+    BLAKE2B_ROUND(0);
+    BLAKE2B_ROUND(1);
+    BLAKE2B_ROUND(2);
+    BLAKE2B_ROUND(3);
+    BLAKE2B_ROUND(4);
+    BLAKE2B_ROUND(5);
+    BLAKE2B_ROUND(6);
+    BLAKE2B_ROUND(7);
+    BLAKE2B_ROUND(8);
+    BLAKE2B_ROUND(9);
+    BLAKE2B_ROUND(10);
+    BLAKE2B_ROUND(11);
+    for (int i = 0; i < 8; i++)
+        h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* The key of ``block`` (``size`` bytes) under ``parent``: _kernels.block_key. */
+static int64_t
+block_key(int64_t parent, const unsigned char *block, Py_ssize_t size)
+{
+    uint64_t h[8];
+    unsigned char buffer[128];
+    memcpy(h, KEY_IV, sizeof h);
+    uint64_t word = (uint64_t)parent; /* two's complement, written little-endian */
+    for (int i = 0; i < 8; i++, word >>= 8)
+        buffer[i] = (unsigned char)word;
+    size_t filled = 8, left = (size_t)size;
+    uint64_t counted = 8;
+    /* Compress a full buffer only once more bytes follow: the last block is final. */
+    while (left > 0) {
+        if (filled == sizeof buffer) {
+            blake2b_compress(h, buffer, counted, 0);
+            filled = 0;
+        }
+        size_t take = sizeof buffer - filled < left ? sizeof buffer - filled : left;
+        memcpy(buffer + filled, block, take);
+        filled += take;
+        block += take;
+        left -= take;
+        counted += take;
+    }
+    memset(buffer + filled, 0, sizeof buffer - filled);
+    blake2b_compress(h, buffer, counted, 1);
+    /* The digest's 8 bytes (h[0], little-endian), read as a signed int: two's
+     * complement, copied rather than converted (which C leaves to the compiler). */
+    int64_t key;
+    memcpy(&key, &h[0], sizeof key);
+    return key;
+}
+
+/* chain(data, step, parent) -> list[int]: block_key(the key before, block) for each
+ * full ``step``-byte block of ``data``, the first chained from ``parent``. */
 static PyObject *
 chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -801,34 +938,29 @@ chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "chain: step must be positive");
         return NULL;
     }
+    if (!PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "chain: parent must be an int");
+        return NULL;
+    }
+    long long parent = PyLong_AsLongLong(args[2]); /* OverflowError past 64 signed bits */
+    if (parent == -1 && PyErr_Occurred())
+        return NULL;
     Py_ssize_t count = PyBytes_GET_SIZE(data) / step;
-    const char *bytes = PyBytes_AS_STRING(data);
+    const unsigned char *bytes = (const unsigned char *)PyBytes_AS_STRING(data);
     PyObject *keys = PyList_New(count);
     if (keys == NULL)
         return NULL;
-    PyObject *parent = args[2];
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *block = PyBytes_FromStringAndSize(bytes + i * step, step);
-        if (block == NULL)
-            goto fail;
-        PyObject *key = PyTuple_Pack(4, parent, Py_None, Py_None, block);
-        Py_DECREF(block);
-        if (key == NULL)
-            goto fail;
-        Py_hash_t hash = PyObject_Hash(key);
-        Py_DECREF(key);
-        if (hash == -1)
-            goto fail;
-        parent = PyLong_FromSsize_t(hash);
-        if (parent == NULL)
-            goto fail;
-        PyList_SET_ITEM(keys, i, parent); /* the list owns it; borrowed for the next */
+        parent = block_key(parent, bytes + i * step, step);
+        PyObject *key = PyLong_FromLongLong(parent);
+        if (key == NULL) {
+            /* PyList_New's unset slots are NULL, which the list's dealloc skips. */
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, i, key);
     }
     return keys;
-fail:
-    /* PyList_New's unset slots are NULL, which the list's dealloc skips. */
-    Py_DECREF(keys);
-    return NULL;
 }
 
 /* mask | bit into masks[key] (a missing mask is 0). */
@@ -1043,6 +1175,7 @@ PyInit__ckernels(void)
 {
     fill_item_tables(); /* constants: the same on every call */
     fill_scalar_table();
+    key_iv_init();
     DATA = PyUnicode_InternFromString("data");
     POSITION = PyUnicode_InternFromString("position");
     SENDER = PyUnicode_InternFromString("sender");

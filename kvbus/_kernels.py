@@ -6,9 +6,10 @@ The index's take and change its own dicts, with the same results
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import msgspec
 
@@ -61,13 +62,31 @@ def kv_run(
     return None
 
 
+KEY_PERSON: Final = b"kvbus.key.v1"
+"""BLAKE2b's personalization for router keys: a new scheme gets a new one, so keys of
+two schemes never meet."""
+_KEY_HASH: Final = hashlib.blake2b(digest_size=8, person=KEY_PERSON)
+
+
+def block_key(parent: int, block: bytes) -> int:
+    """A router key: the 64-bit BLAKE2b (`KEY_PERSON`, no key) of ``parent`` (a key, as
+    8 little-endian bytes; 0 for the first block) then ``block``, read as a signed
+    little-endian int. The same in every process and on every machine, as a key shared
+    between router replicas must be (Python's own ``hash`` is seeded per process)."""
+    digest = _KEY_HASH.copy()
+    digest.update(int.to_bytes(parent, 8, "little", signed=True) + block)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
 def chain(data: bytes, step: int, parent: int) -> list[int]:
     """The key of each full ``step``-byte block of ``data``, chained from ``parent``:
-    the hash of (parent key, no LoRA, no extra keys, the block's bytes)."""
+    `block_key` of (the key before it, the block's bytes), with nothing else (no LoRA,
+    no extra keys) hashed in. OverflowError for a parent outside 64 signed bits."""
     if step <= 0:
         raise ValueError("chain: step must be positive")
+    int.to_bytes(parent, 8, "little", signed=True)  # checked even when no block is full
     return [
-        parent := hash((parent, None, None, data[start : start + step]))
+        parent := block_key(parent, data[start : start + step])
         for start in range(0, len(data) - step + 1, step)
     ]
 

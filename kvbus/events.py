@@ -15,7 +15,7 @@ skipped (and counted by the caller) instead of losing the whole batch.
 
 from __future__ import annotations
 
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, Union
 
 import msgspec
 
@@ -27,6 +27,46 @@ BlockHash: TypeAlias = int | bytes
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 MEDIUM_STORAGE: Final = "STORAGE"
+
+# --- values read from the network without a schema ------------------------------------
+#
+# msgspec decodes an untyped msgpack map keyed by arrays into a dict keyed by tuples,
+# and tuples of ints (or floats, or nested tuples) can be made to share one hash: such a
+# map of n keys takes O(n^2) to build (280 KiB: 3.5 s on the event loop). Strings and
+# bytes hash with the process's secret seed, ints collide at most a dozen times each
+# (their hash is the value modulo 2**61 - 1), so the types below admit maps keyed by
+# str, int or tuples of str only (vLLM's offloading stats key series by label-value
+# tuples of str) and no map at all in extra keys (vLLM never sends one there): any
+# other key is refused at the first one, in O(1), as a decode error.
+
+_Atom: TypeAlias = Union[bool, int, float, str, None]  # noqa: UP007 (a runtime value)
+_MapKey: TypeAlias = Union[str, int, tuple[str, ...]]  # noqa: UP007
+RAW_DEPTH: Final = 8
+"""Nesting levels of maps and arrays `decode_raw` reads (vLLM's deepest stats payload
+has 4); deeper payloads are malformed. (Each level doubles the decoder's type, so this
+stays small.)"""
+
+
+def _nested(depth: int) -> Any:
+    """The schema-free payload type, nested at most ``depth`` levels (msgspec takes no
+    recursive type alias): atoms, and arrays and maps of ones a level less deep."""
+    value: Any = _Atom
+    for _ in range(depth):
+        value = Union[_Atom, list[value], dict[_MapKey, value]]  # noqa: UP007
+    return value
+
+
+_raw_decoder: Final = msgspec.msgpack.Decoder(_nested(RAW_DEPTH))
+
+# One block's extra keys: vLLM's are LoRA names and cache salts (str), prompt-embeds
+# digests (bytes) and (multimodal identifier, offset) pairs. msgspec's unions hold one
+# str-like type, so the decoders take str atoms and an entry holding bytes is read by
+# `_careful_extra_keys` instead; type checkers see the union vLLM sends.
+if TYPE_CHECKING:
+    _ExtraAtom: TypeAlias = bool | int | float | str | bytes | None
+    ExtraKey: TypeAlias = _ExtraAtom | tuple[_ExtraAtom, ...]
+else:
+    ExtraKey = Union[_Atom, tuple[_Atom, ...]]  # noqa: UP007
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -41,8 +81,9 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     medium: str | None
     """"GPU", "CPU" or "STORAGE"; None (older engines) means GPU."""
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    """One entry per block: what besides tokens went into that block's hash."""
+    extra_keys: list[tuple[ExtraKey, ...] | None] | None = None
+    """One entry per block: what besides tokens went into that block's hash (atoms, or
+    arrays of atoms: never a map, see `ExtraKey`)."""
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -242,21 +283,29 @@ def _batch_of(event_type: Any, name: str) -> Any:
 _ArrayKVEventBatch: Final = _batch_of(_array_union, "_ArrayKVEventBatch")
 
 
-def _with_packed_tokens(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
-    """``BlockStored`` with its ``token_ids`` left as their msgpack bytes (msgspec.Raw)."""
+def _retyped(
+    cls: type[msgspec.Struct], name: str, kind: Any, **options: Any
+) -> type[msgspec.Struct]:
+    """``cls`` (same tag, same wire shape) with its field ``name`` decoded as ``kind``."""
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for field in msgspec.structs.fields(cls):
-        kind = msgspec.Raw if field.name == "token_ids" else field.type
+        field_type = kind if field.name == name else field.type
         if field.required:
-            fields.append((field.name, kind))
+            fields.append((field.name, field_type))
         else:
-            fields.append((field.name, kind, field.default))
+            fields.append((field.name, field_type, field.default))
     return msgspec.defstruct(
-        "PackedBlockStored", fields, tag=cls.__name__, omit_defaults=True, gc=False
+        options.pop("struct_name", cls.__name__),
+        fields,
+        tag=options.pop("tag", cls.__name__),
+        gc=False,
+        **options,
     )
 
 
-PackedBlockStored: Any = _with_packed_tokens(BlockStored)
+PackedBlockStored: Any = _retyped(
+    BlockStored, "token_ids", msgspec.Raw, struct_name="PackedBlockStored", omit_defaults=True
+)
 """A ``BlockStored`` whose ``token_ids`` are still the msgpack array sent (msgspec.Raw):
 decoding a 512-token event this way takes about half the time, as no int object is made
 per token (`kvbus.index.PrefixIndex.apply_payload` reads them straight into bytes)."""
@@ -327,9 +376,62 @@ def decode_kv_batch(payload: bytes) -> tuple[KVEventBatch, int]:
             pass
         try:
             kept.append(_from_array(_array_event_decoder.decode(item)))
+            continue
+        except (ValueError, RecursionError):
+            pass
+        try:
+            kept.append(_careful_block_stored(item))
         except (ValueError, RecursionError):
             continue
     return KVEventBatch(raw.ts, kept, raw.data_parallel_rank), len(raw.events) - len(kept)
+
+
+# A store whose extra keys hold bytes (prompt-embeds digests), which the typed decoders
+# refuse: its extra keys are read entry by entry, atom by atom, still never a map.
+_RAW_EXTRA_KEYS: Final = list[msgspec.Raw] | None
+_careful_stored_decoders: Final = (
+    msgspec.msgpack.Decoder(_retyped(BlockStored, "extra_keys", _RAW_EXTRA_KEYS)),
+    msgspec.msgpack.Decoder(
+        _retyped(_ARRAY_CLASSES[BlockStored], "extra_keys", _RAW_EXTRA_KEYS, array_like=True)
+    ),
+)
+_extra_entry_decoder: Final = msgspec.msgpack.Decoder(tuple[msgspec.Raw, ...] | None)
+_extra_item_decoder: Final = msgspec.msgpack.Decoder(_Atom | tuple[msgspec.Raw, ...])
+_extra_atom_decoder: Final = msgspec.msgpack.Decoder(_Atom)
+_bytes_decoder: Final = msgspec.msgpack.Decoder(bytes)
+
+
+def _careful_block_stored(item: bytes | msgspec.Raw) -> BlockStored:
+    """A ``BlockStored`` (either dialect) whose extra keys may hold bytes; raises
+    msgspec's ``ValidationError`` for anything else, a map among its extra keys
+    included. O(size of the event)."""
+    try:
+        event = _careful_stored_decoders[0].decode(item)
+    except msgspec.ValidationError:
+        event = _careful_stored_decoders[1].decode(item)
+    fields = msgspec.structs.asdict(event)
+    raws = fields["extra_keys"]
+    if raws is not None:
+        fields["extra_keys"] = [_extra_entry(r) for r in raws]
+    return BlockStored(**fields)
+
+
+def _extra_entry(raw: msgspec.Raw) -> tuple[Any, ...] | None:
+    items = _extra_entry_decoder.decode(raw)
+    if items is None:
+        return None
+    return tuple(_extra_item(r, nested=True) for r in items)
+
+
+def _extra_item(raw: msgspec.Raw, nested: bool) -> Any:
+    """An atom, bytes or (``nested``) an array of those."""
+    try:
+        value = _extra_item_decoder.decode(raw) if nested else _extra_atom_decoder.decode(raw)
+    except msgspec.ValidationError:
+        return _bytes_decoder.decode(raw)  # else raises: a map, or arrays too deep
+    if isinstance(value, tuple):
+        return tuple(_extra_item(r, nested=False) for r in value)
+    return value
 
 
 class RouteEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -380,10 +482,13 @@ def decode_connector(payload: bytes) -> ConnectorBatch:
 
 @nesting_is_malformed
 def decode_raw(raw: bytes) -> Any:
-    """A connector payload (stats, transfer params) as Python values (maps keyed by
-    arrays get tuple keys); ``None`` for an empty one. Raises ``msgspec.DecodeError``
-    when malformed."""
-    return msgspec.msgpack.decode(raw) if raw else None
+    """A connector payload (stats, transfer params) as Python values: atoms (None, bool,
+    int, float, str), lists and maps keyed by str, int or arrays of str (as tuples),
+    nested at most `RAW_DEPTH` levels; ``None`` for an empty payload. Raises
+    ``msgspec.DecodeError`` (``ValidationError``) for anything else (bytes, other map
+    keys), at the first offending value: a map keyed by arrays of ints, whose tuple keys
+    can be made to share one hash, would take quadratic time to build."""
+    return _raw_decoder.decode(raw) if raw else None
 
 
 @nesting_is_malformed

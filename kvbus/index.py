@@ -20,9 +20,12 @@ still chains (bounded: at most as many remembered as held, and at least 1,024).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, cast
+from typing import Any, Final
+
+import msgspec
 
 from kvbus import _kernels
 from kvbus.envelope import Kind
@@ -31,13 +34,18 @@ from kvbus.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    LoadMetrics,
     PackedBlockStored,
     SourceStarted,
     decode_kv_batch,
     decode_packed_kv_batch,
 )
 from kvbus.kernels import kernels
+from kvbus.logs import LimitedLog, shown
 from kvbus.subscribe import Message, Resync
+
+log = logging.getLogger("kvbus.index")
+_limited = LimitedLog(log)
 
 # A worker's copies of a block in each medium are packed in one int (a field of
 # _FIELD_BITS bits per medium): one dict lookup per stored or removed block, and a
@@ -52,6 +60,17 @@ _ROOT: Final = 0
 MAX_BLOCK_SIZE: Final = 1 << 20
 """Larger (or non-positive) block sizes in an event are malformed; vLLM's are <= 4096."""
 _MIN_REMEMBERED: Final = 1024
+DEFAULT_MAX_BLOCKS_PER_WORKER: Final = 1 << 20
+"""Distinct blocks (all media) one worker may make the index hold (about 200 MiB of
+index); past it the worker's oldest blocks are forgotten (`PrefixIndex.over_cap`)."""
+CAPACITY_HEADROOM: Final = 2
+"""A worker that advertised its KV cache (``LoadMetrics.kv_cache_blocks``) may hold this
+many times as many distinct GPU blocks (plus `_MIN_REMEMBERED`) before its oldest are
+forgotten: the engine itself never holds more than its capacity."""
+MAX_PROFILES: Final = 8
+"""Distinct (block size, lookahead) pairs among the workers; a worker whose events would
+add another is skipped (`PrefixIndex.profile_refused`), as a query keys the prompt once
+per pair."""
 
 
 def block_keys(
@@ -64,15 +83,35 @@ def block_keys(
 ) -> list[int]:
     """Router keys of the full blocks of ``token_ids``, chained from ``parent``.
 
-    Each key hashes (parent key, LoRA, the block's extra keys, the block's token bytes
-    and its lookahead tokens) with Python's own hash: fast, and independent of the
-    engine's seed and algorithm, but private to this process (never send keys to
-    another one). ``lookahead`` is either how many tokens after each block went into
-    its hash (a prompt: a block without that many tokens after it gets no key, as the
-    engine does not cache it) or those tokens per block (a ``BlockStored``).
+    Each key is a 64-bit BLAKE2b of the parent key and the block's token bytes, and
+    for a block with any, of `block_salt`'s canonical bytes of its LoRA, extra keys and
+    lookahead tokens (`kvbus._kernels.block_key`): independent of the engine's seed and
+    algorithm, and the same in every process, so router replicas can share them (token
+    ids hash as `kernels.token_bytes` writes them: native uint32, little-endian on every
+    platform vLLM runs on).
+    ``extra_keys`` hold any msgpack value (a list or map inside included).
+    ``lookahead`` is either how many tokens after each block went into its hash (a
+    prompt: a block without that many tokens after it gets no key, as the engine does
+    not cache it) or those tokens per block (a ``BlockStored``).
     """
     data = kernels.token_bytes(token_ids)
     return _keys_of(data, block_size, lora_name, extra_keys, parent, lookahead)
+
+
+_canonical: Final = msgspec.msgpack.Encoder()
+
+
+def block_salt(lora_name: str | None, extra: Any, tail: bytes) -> bytes:
+    """What a block's key hashes after its tokens, beside its parent: nothing for a
+    plain block, else the msgpack of (LoRA name, the block's extra keys, its lookahead
+    tokens' bytes). msgpack writes an array the same whether it was a list or a tuple
+    and a map in the order it came in (as decoded from an event), so every process
+    that reads one event, or is given the same values, gets the same bytes. The salt
+    follows the block's fixed-size bytes and is itself one msgpack value: no two
+    (block, salt) pairs give the same input."""
+    if lora_name is None and extra is None and not tail:
+        return b""
+    return _canonical.encode((lora_name, extra, tail))
 
 
 def _keys_of(
@@ -83,7 +122,9 @@ def _keys_of(
     parent: int,
     lookahead: int | Sequence[Sequence[int]],
 ) -> list[int]:
-    """`block_keys` of the tokens in ``data`` (`kernels.token_bytes`' uint32 bytes)."""
+    """`block_keys` of the tokens in ``data`` (`kernels.token_bytes`' uint32 bytes).
+    Raises OverflowError (a token id past 32 bits, a parent past 64) and nothing else
+    for any decoded event."""
     step = block_size * 4
     if lora_name is None and extra_keys is None and not lookahead:
         return kernels.chain(data, step, parent)
@@ -101,14 +142,18 @@ def _keys_of(
         extra = None
         if extra_keys is not None and i < len(extra_keys):
             extra = extra_keys[i]
-            if extra and lora_name is not None and extra[0] == lora_name:
+            if (
+                isinstance(extra, (tuple, list))
+                and extra
+                and lora_name is not None
+                and extra[0] == lora_name
+            ):
                 # vLLM puts the LoRA name first in every block's extra keys; it is hashed
                 # on its own here, so a query needs only ``lora_name``.
                 extra = tuple(extra[1:]) or None
+        tail = tails[i] if tails is not None and i < len(tails) else b""
         block = data[i * step : (i + 1) * step]
-        if tails is not None:
-            block += tails[i] if i < len(tails) else b""
-        parent = hash((parent, lora_name, extra, block))
+        parent = _kernels.block_key(parent, block + block_salt(lora_name, extra, tail))
         keys.append(parent)
     return keys
 
@@ -124,10 +169,25 @@ def mask_numbers(mask: int) -> list[int]:
 
 
 class _Worker:
-    __slots__ = ("bit", "forgotten", "held", "keys", "number", "resident")
+    __slots__ = (
+        "bit",
+        "block_size",
+        "forgotten",
+        "held",
+        "keys",
+        "lookahead",
+        "number",
+        "resident",
+    )
 
-    def __init__(self, number: int) -> None:
+    def __init__(self, number: int, block_size: int) -> None:
         self.number = number
+        self.block_size = block_size
+        """Tokens per block of this worker's engine (its first full store's, or the
+        index's configured one): its keys are made with it, never another worker's."""
+        self.lookahead = 0
+        """Tokens after a block that this worker's hashes cover (vLLM >= 0.33 with
+        lookahead hashing), learned from its own applied events."""
         self.bit = 1 << number
         """1 << this worker's number: its place in the index's holder masks."""
         self.keys: dict[int | bytes, int] = {}
@@ -140,18 +200,28 @@ class _Worker:
         """engine hashes whose last copy went, oldest first (their keys are dropped
         from ``keys`` once more of them are remembered than blocks are held)"""
 
+    @property
+    def profile(self) -> tuple[int, int]:
+        return (self.block_size, self.lookahead)
+
 
 class PrefixIndex:
     def __init__(
         self,
         block_size: int | None = None,
         medium_weights: Mapping[str, float] = DEFAULT_MEDIUM_WEIGHTS,
+        max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
     ) -> None:
-        self.block_size = block_size
-        """Tokens per block; ``None`` adopts the first full-attention ``BlockStored``'s."""
-        self.lookahead = 0
-        """Tokens after a block that its hash covers (vLLM >= 0.33 with lookahead
-        hashing), learned from the events."""
+        self.configured_block_size = block_size
+        """The operator's block size: a store of another size is skipped (vLLM sends
+        partial-block entries too). ``None``: each worker's first full-attention store
+        gives that worker's own block size."""
+        self.max_blocks_per_worker = max_blocks_per_worker
+        """Distinct blocks one worker may make this index hold (`DEFAULT_MAX_BLOCKS_PER_WORKER`)."""
+        # Workers per (block size, lookahead), in order of first sight; the one most
+        # workers share keys `keys()` (one worker's odd events blind only itself).
+        self._profiles: dict[tuple[int, int], int] = {}
+        self._fleet: tuple[int | None, int] = (block_size, 0)
         self._shift_weights = sorted(
             ((MEDIUM_SHIFTS[m], w) for m, w in medium_weights.items()), key=lambda sw: -sw[1]
         )
@@ -168,6 +238,8 @@ class PrefixIndex:
         self._groups: dict[tuple[int, int], dict[str, int]] = {}
         self._stored_blocks: list[int] = []
         """per worker number: GPU blocks stored since first seen (copies included)"""
+        self._capacity: list[int] = []
+        """per worker number: its advertised KV cache blocks (0: not advertised)"""
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
         self.malformed = 0
@@ -177,6 +249,54 @@ class PrefixIndex:
         """Removed blocks this index never saw stored (joined mid-stream, or skipped)."""
         self.offloaded = False
         """Whether a block was ever stored outside the GPU (CPU, STORAGE)."""
+        self.other_block_size = 0
+        """Stored blocks skipped for a block size other than their worker's (vLLM's
+        partial-block entries; or a worker disagreeing with ``--block-size``)."""
+        self.profile_refused = 0
+        """Stored blocks skipped because their worker would add a (block size,
+        lookahead) pair past `MAX_PROFILES`."""
+        self.over_cap = 0
+        """Blocks forgotten because their worker held more than its cap (see
+        `DEFAULT_MAX_BLOCKS_PER_WORKER`, `set_capacity`)."""
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per block of the fleet's keys (`keys`): the configured one, else the
+        one most workers use (ties: the one seen first); ``None`` before any store."""
+        return self._fleet[0]
+
+    @property
+    def lookahead(self) -> int:
+        """Lookahead tokens of the fleet's keys: the one most workers of the fleet's
+        block size use (ties: the one seen first)."""
+        return self._fleet[1]
+
+    def profiles(self) -> dict[tuple[int, int], int]:
+        """Workers per (block size, lookahead) they key their blocks with."""
+        return dict(self._profiles)
+
+    def _join_profile(self, state: _Worker, delta: int) -> None:
+        profile = state.profile
+        count = self._profiles.get(profile, 0) + delta
+        if count > 0:
+            self._profiles[profile] = count
+        else:
+            self._profiles.pop(profile, None)
+        if not self._profiles:
+            return  # the last worker left: keep keying as before
+        sizes: dict[int, int] = {}
+        for (size, _), workers in self._profiles.items():
+            sizes[size] = sizes.get(size, 0) + workers
+        block_size = self.configured_block_size or max(sizes, key=sizes.__getitem__)
+        of_size = [(ahead, n) for (size, ahead), n in self._profiles.items() if size == block_size]
+        lookahead = max(of_size, key=lambda an: an[1])[0] if of_size else 0
+        self._fleet = (block_size, lookahead)
+
+    def set_capacity(self, worker: str, kv_cache_blocks: int) -> None:
+        """The worker's advertised KV cache (``LoadMetrics.kv_cache_blocks``): it may
+        hold `CAPACITY_HEADROOM` times as many distinct GPU blocks here, no more."""
+        number = self.worker_number(worker)
+        self._capacity[number] = max(0, min(kv_cache_blocks, self.max_blocks_per_worker))
 
     # --- feeding ---------------------------------------------------------------------
 
@@ -195,6 +315,8 @@ class PrefixIndex:
                     self.apply_events(item.source, body.events)
         elif isinstance(item.body, SourceStarted):
             self.clear(item.source)
+        elif isinstance(item.body, LoadMetrics):
+            self.set_capacity(item.source, item.body.kv_cache_blocks)
 
     def apply_payload(self, worker: str, payload: bytes) -> int:
         """Apply a ``KVEventBatch`` straight from its msgpack bytes (``Message.payload``,
@@ -243,14 +365,25 @@ class PrefixIndex:
             elif isinstance(event, AllBlocksCleared):
                 self.clear(worker)
 
-    def _worker(self, worker: str) -> _Worker:
+    def _worker(self, worker: str, block_size: int) -> _Worker | None:
+        """``worker``'s state, made with ``block_size`` on first sight (None: that would
+        add a profile past `MAX_PROFILES`)."""
         state = self._workers.get(worker)
         if state is None:
-            state = self._workers[worker] = _Worker(self.worker_number(worker))
+            state = _Worker(self.worker_number(worker), block_size)
+            if not self._admits(state.profile):
+                return None
+            self._workers[worker] = state
+            self._join_profile(state, 1)
         return state
 
+    def _admits(self, profile: tuple[int, int]) -> bool:
+        return profile in self._profiles or len(self._profiles) < MAX_PROFILES
+
     def _stored(self, worker: str, event: BlockStored, data: bytes | None = None) -> None:
-        """Apply a store; ``data``: its token ids already as `kernels.token_bytes`."""
+        """Apply a store; ``data``: its token ids already as `kernels.token_bytes`.
+        Nothing is counted or learned from it before its keys are made: an event that
+        fails is skipped whole (counted in ``malformed``)."""
         if event.kv_cache_spec_kind not in _FULL_ATTENTION:
             return
         if not 0 < event.block_size <= MAX_BLOCK_SIZE:
@@ -260,21 +393,19 @@ class PrefixIndex:
                 return
             self.malformed += 1  # would poison every later match (block_size 0 divides)
             return
-        if self.block_size is None:
-            self.block_size = event.block_size
-        elif event.block_size != self.block_size:
-            return  # a partial-block entry (fine-grained hashing): never a full block
-        state = self._worker(worker)
         hashes = event.block_hashes
-        shift = MEDIUM_SHIFTS.get(event.medium, 0)
-        if shift:
-            self.offloaded = True
-        else:
-            self._stored_blocks[state.number] += len(hashes)
+        state = self._workers.get(worker)
+        block_size = state.block_size if state is not None else self.configured_block_size
+        if block_size is not None and event.block_size != block_size:
+            self.other_block_size += len(hashes)  # a partial-block entry, or a stranger's
+            return
+        block_size = event.block_size
         parent = _ROOT
         if event.parent_block_hash is not None:
-            found = state.keys.get(event.parent_block_hash)
+            found = None if state is None else state.keys.get(event.parent_block_hash)
             if found is None:
+                if state is not None and MEDIUM_SHIFTS.get(event.medium, 0) == 0:
+                    self._stored_blocks[state.number] += len(hashes)
                 self.unchained += len(hashes)
                 return
             parent = found
@@ -283,23 +414,42 @@ class PrefixIndex:
             if data is None:
                 data = kernels.token_bytes(event.token_ids)
             if event.lora_name is None and event.extra_keys is None and not lookahead:
-                keys = self._plain_keys(data, parent)
+                keys = self._plain_keys(data, parent, block_size)
             else:
                 keys = _keys_of(
                     data,
-                    self.block_size,
+                    block_size,
                     event.lora_name,
                     event.extra_keys,
                     parent,
                     lookahead or 0,
                 )
-        except OverflowError:  # a token id below 0 or above 32 bits: no vocabulary's
+        except (OverflowError, TypeError, ValueError):
+            # A token id below 0 or above 32 bits (no vocabulary's), or extra keys that
+            # cannot be keyed: the whole event is skipped, nothing of it counted.
             self.malformed += 1
             return
+        if state is None:
+            state = self._worker(worker, block_size)
+            if state is None:
+                self.profile_refused += len(hashes)
+                return
         if lookahead is not None:
-            # Learned only from an event that applied: a skipped one must not change
-            # how every later prompt is keyed.
-            self.lookahead = max((len(t) for t in lookahead), default=0)
+            # Learned only from an event that applied, and for its worker only: another
+            # worker's prompts are keyed with that worker's own lookahead.
+            ahead = max((len(t) for t in lookahead), default=0)
+            if ahead != state.lookahead:
+                if not self._admits((state.block_size, ahead)):
+                    self.profile_refused += len(hashes)
+                    return
+                self._join_profile(state, -1)
+                state.lookahead = ahead
+                self._join_profile(state, 1)
+        shift = MEDIUM_SHIFTS.get(event.medium, 0)
+        if shift:
+            self.offloaded = True
+        else:
+            self._stored_blocks[state.number] += len(hashes)
         if len(keys) > len(hashes):
             keys = keys[: len(hashes)]
         # An event's blocks are nearly always new to the worker (one copy each), whole
@@ -311,8 +461,50 @@ class PrefixIndex:
                 state.resident += len(keys)
         else:
             self._add_copies(state, keys, shift)
+        self._cap(worker, state)
 
-    def _plain_keys(self, data: bytes, parent: int) -> list[int]:
+    def _cap(self, worker: str, state: _Worker) -> None:
+        """Forget ``state``'s oldest blocks (first stored first) while it holds more than
+        its cap, down to 7/8 of it, so that the work is amortized over the stores that
+        filled it. Forgetting a held block only loses routing credit for it: its later
+        removal counts as unknown, its children as unchained."""
+        limit = self.max_blocks_per_worker
+        capacity = self._capacity[state.number]
+        gpu_limit = capacity * CAPACITY_HEADROOM + _MIN_REMEMBERED if capacity else limit
+        if len(state.held) <= limit and state.resident <= gpu_limit:
+            return
+        limit -= limit >> 3
+        gpu_limit -= gpu_limit >> 3
+        held, known = state.held, state.keys
+        victims: list[int | bytes] = []
+        excess, gpu_excess = len(held) - limit, state.resident - gpu_limit
+        for engine_hash in known:  # insertion order: first stored first
+            if excess <= 0 and gpu_excess <= 0:
+                break
+            victims.append(engine_hash)
+            count = held.get(known[engine_hash], 0)
+            if count:
+                excess -= 1
+                gpu_excess -= 1 if count & _FIELD else 0
+        gone = []
+        for engine_hash in victims:
+            key = known.pop(engine_hash)
+            count = held.pop(key, 0)
+            if count:
+                gone.append(key)
+                state.resident -= 1 if count & _FIELD else 0
+        _kernels.clear_holder(self._masks, gone, state.bit)
+        self.over_cap += len(gone)
+        _limited.warning(
+            "over_cap",
+            "kvbus: worker %s held more blocks than its cap (%d; GPU %d): forgot its %d oldest",
+            shown(worker),
+            self.max_blocks_per_worker,
+            gpu_limit,
+            len(gone),
+        )
+
+    def _plain_keys(self, data: bytes, parent: int, block_size: int) -> list[int]:
         """`block_keys` of a plain event's blocks (``data``: its token bytes), shared by
         every worker that stores the same blocks under the same parent (a fleet caches
         its popular prefixes on many workers): one hash over the event's tokens finds
@@ -320,10 +512,10 @@ class PrefixIndex:
         hard to collide as the keys themselves (the same keyed hash of the same bytes),
         and the shared keys are the very objects the index's dicts hold, quicker to
         find there."""
-        event_key = hash((parent, data))
+        event_key = hash((parent, block_size, data))
         keys = self._chains.get(event_key)
         if keys is None:
-            keys = kernels.chain(data, 4 * cast(int, self.block_size), parent)
+            keys = kernels.chain(data, 4 * block_size, parent)
             if len(self._chains) >= max(_MIN_REMEMBERED, len(self._masks) >> 3):
                 self._chains.clear()  # the popular ones come back at once
             self._chains[event_key] = keys
@@ -355,6 +547,7 @@ class PrefixIndex:
         known = [key for key in keys if key is not None]
         self.unchained += len(keys) - len(known)
         self._add_copies(state, known, MEDIUM_SHIFTS[event.medium])
+        self._cap(worker, state)
 
     def _removed(self, worker: str, event: BlockRemoved) -> None:
         state = self._workers.get(worker)
@@ -415,6 +608,7 @@ class PrefixIndex:
         state = self._workers.pop(worker, None)
         if state is None:
             return
+        self._join_profile(state, -1)
         _kernels.clear_holder(self._masks, state.held, state.bit)
 
     # --- querying --------------------------------------------------------------------
@@ -426,8 +620,28 @@ class PrefixIndex:
         extra_keys: Sequence[Any] | None = None,
     ) -> dict[str, int]:
         """Prefix tokens of the prompt each worker holds (in any medium), for every
-        worker holding at least its first block."""
-        return self.match_keys(self.keys(token_ids, lora_name, extra_keys))
+        worker holding at least its first block; each worker's blocks matched with its
+        own block size and lookahead."""
+        result: dict[str, int] = {}
+        for (block_size, _), keys in self._keyings(token_ids, lora_name, extra_keys):
+            for mask, blocks in self.match_masks(keys):
+                self._add_group(result, mask, blocks * block_size)
+        return result
+
+    def _keyings(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        extra_keys: Sequence[Any] | None,
+    ) -> list[tuple[tuple[int, int], list[int]]]:
+        """The prompt's keys under each profile the workers use (at most `MAX_PROFILES`),
+        the fleet's first. A worker's blocks are keyed with its own profile only, so
+        the keys of one profile find no other's workers."""
+        profiles = [p for p in self._profiles if p != self._fleet]
+        if self._fleet[0] is not None:
+            profiles.insert(0, (self._fleet[0], self._fleet[1]))
+        data = kernels.token_bytes(token_ids)
+        return [(p, _keys_of(data, p[0], lora_name, extra_keys, _ROOT, p[1])) for p in profiles]
 
     def keys(
         self,
@@ -503,12 +717,15 @@ class PrefixIndex:
     ) -> dict[str, float]:
         """Like `match`, in blocks each weighted by the best medium holding it (GPU 1,
         CPU 0.5, STORAGE 0.25 by default)."""
-        keys = self.keys(token_ids, lora_name, extra_keys)
-        block_size = self.block_size or 0
-        return {
-            worker: self.weighted_blocks(worker, keys[: tokens // block_size])
-            for worker, tokens in self.match_keys(keys).items()
-        }
+        result: dict[str, float] = {}
+        for _, keys in self._keyings(token_ids, lora_name, extra_keys):
+            for mask, blocks in self.match_masks(keys):
+                for worker in self._mask_names(mask):
+                    result[worker] = self.weighted_blocks(worker, keys[:blocks])
+        return result
+
+    def _mask_names(self, mask: int) -> list[str]:
+        return [self._names[number] for number in mask_numbers(mask)]
 
     def _weight(self, copies: int) -> float:
         for shift, weight in self._shift_weights:
@@ -534,6 +751,7 @@ class PrefixIndex:
             number = self._numbers[worker] = len(self._names)
             self._names.append(worker)
             self._stored_blocks.append(0)
+            self._capacity.append(0)
         return number
 
     def worker_name(self, number: int) -> str:

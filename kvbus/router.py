@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import math
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
@@ -63,14 +64,23 @@ import numpy.typing as npt
 from kvbus.envelope import Kind
 from kvbus.events import LoadMetrics, RouteEvent, SourceStopped
 from kvbus.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex, mask_numbers
+from kvbus.logs import LimitedLog, shown
 from kvbus.subscribe import Message, Resync, ResyncReason
 
+log = logging.getLogger("kvbus.router")
+_limited = LimitedLog(log)
 _MASK_CACHE: Final = 256
 _FEW: Final = 64
 MAX_PEER_REQUESTS: Final = 100_000
 """Other replicas' requests in flight kept at most (all replicas together)."""
 MAX_PEER_KEYS: Final = 16_384
 """Blocks of one peer request kept at most (a 512k-token prompt of 32-token blocks)."""
+MAX_PEERS: Final = 1024
+"""Other replicas with requests in flight kept at most: a request routed by one more is
+refused (``Router.peer_rejected``). A replica whose requests all ended takes no room."""
+MAX_KV_CACHE_BLOCKS: Final = 1 << 24
+"""The most KV cache blocks a worker's load record may claim (vLLM's largest caches hold
+a few million); a larger claim counts as this many (``Router.load_clamped``)."""
 
 
 class Policy(str, enum.Enum):
@@ -169,11 +179,18 @@ class Router:
         self.peer_timeout = peer_timeout
         """Seconds another replica's request counts at most (its end may be lost)."""
         self.peer_rejected = 0
-        """Peer events refused: unknown worker, too many keys or requests in flight."""
+        """Peer events refused: unknown worker, too many keys, requests in flight or
+        peers (`MAX_PEER_KEYS`, `MAX_PEER_REQUESTS`, `MAX_PEERS`)."""
+        self.load_clamped = 0
+        """Load records with a figure out of range (`MAX_KV_CACHE_BLOCKS`, a KV usage
+        outside 0..1 or not a number), applied with it clamped."""
         self._requests = itertools.count(1)
         self._peer_requests: dict[str, dict[int, Decision]] = {}
+        """peer -> its requests in flight (only peers that have some)"""
         self._peer_count = 0
-        self._peer_deadlines: deque[tuple[float, str, Decision]] = deque()
+        self._peer_deadlines: OrderedDict[tuple[str, int], float] = OrderedDict()
+        """(peer, request) -> when it stops counting, soonest first (one timeout for
+        all, so arrival order is deadline order); an ended request leaves at once."""
         self._load_workers: dict[str, int] = {}
         """Workers that sent load records: only these may appear in peers' events."""
         self.weights = weights or CostWeights()
@@ -187,6 +204,8 @@ class Router:
         """load cost of each worker; inf: not eligible"""
         self._capacity = np.zeros(16)
         """KV cache blocks of each worker (reported, else the most seen held)"""
+        self._fresh = np.zeros(16)
+        """until when each worker's latest load record counts (0: none, or it stopped)"""
         self._inserted = np.zeros(16)
         """blocks each worker newly cached lately (the window below, plus in flight)"""
         self._window: deque[tuple[int, int]] = deque()
@@ -194,7 +213,6 @@ class Router:
         self._window_blocks = 0
         self._stored_seen: dict[int, int] = {}
         self._metrics: dict[int, LoadMetrics] = {}
-        self._fresh_until: dict[int, float] = {}
         self._down_until: dict[int, float] = {}
         self._queued: dict[int, list[float]] = {}
         """worker -> [requests of this router not streaming yet, their blocks to prefill]"""
@@ -237,8 +255,9 @@ class Router:
         self._window_blocks += added
         self._inserted[number] += added
         # The window spans about one fleet capacity of insertions: what an LRU cache as
-        # large as the whole fleet would still hold.
-        span = max(float(self._capacity.sum()), 1.0)
+        # large as the whole fleet would still hold. The fleet is the workers whose load
+        # is fresh: a worker gone (or a source that sent one record) widens it no more.
+        span = max(float(self._capacity[self._fresh > self._clock()].sum()), 1.0)
         while self._window_blocks - self._window[0][1] >= span:
             old, blocks = self._window.popleft()
             self._window_blocks -= blocks
@@ -250,16 +269,39 @@ class Router:
         if not isinstance(item, Message):
             return  # lost load records: the next one replaces them anyway
         if isinstance(item.body, LoadMetrics):
+            metrics = self._checked(item.source, item.body)
             number = self.index.worker_number(item.source)
             self._load_workers[item.source] = number
             self._grow(number)
-            self._metrics[number] = item.body
-            self._fresh_until[number] = self._clock() + self.stale_after - max(0.0, age)
-            if item.body.kv_cache_blocks > 0:
-                self._capacity[number] = item.body.kv_cache_blocks
+            self._metrics[number] = metrics
+            self._fresh[number] = self._clock() + self.stale_after - max(0.0, age)
+            if metrics.kv_cache_blocks > 0:
+                self._capacity[number] = metrics.kv_cache_blocks
             self._refresh(number)
         elif isinstance(item.body, SourceStopped):
             self._stopped(item)
+
+    def _checked(self, worker: str, metrics: LoadMetrics) -> LoadMetrics:
+        """``metrics`` with the figures the cost reads brought into range: a capacity
+        past `MAX_KV_CACHE_BLOCKS` would widen the insertion window past any fleet's
+        (it would never trim), a usage below 0 would draw every request, a NaN would
+        make the cost NaN. Counted (`load_clamped`) and logged (rate-limited)."""
+        blocks, usage = metrics.kv_cache_blocks, metrics.kv_cache_usage
+        if blocks <= MAX_KV_CACHE_BLOCKS and 0.0 <= usage <= 1.0:  # False for NaN
+            return metrics
+        self.load_clamped += 1
+        _limited.warning(
+            "load",
+            "load record of %s out of range (kv_cache_blocks %d, kv_cache_usage %r): clamped",
+            shown(worker),
+            blocks,
+            usage,
+        )
+        return msgspec.structs.replace(
+            metrics,
+            kv_cache_blocks=min(blocks, MAX_KV_CACHE_BLOCKS),
+            kv_cache_usage=1.0 if math.isnan(usage) else min(max(usage, 0.0), 1.0),
+        )
 
     def _stopped(self, item: Message) -> None:
         """The worker's engine stopped: no traffic until its next load record. A stop
@@ -269,7 +311,8 @@ class Router:
         metrics = self._metrics.get(number)
         if metrics is not None and metrics.ts > item.ts:
             return
-        self._fresh_until[number] = 0.0
+        self._grow(number)
+        self._fresh[number] = 0.0
         self._refresh(number)
 
     def mark_down(self, worker: str, seconds: float) -> None:
@@ -286,6 +329,7 @@ class Router:
         size = max(number + 1, 2 * size)
         self._load = np.concatenate([self._load, np.full(size - len(self._load), np.inf)])
         self._capacity = np.concatenate([self._capacity, np.zeros(size - len(self._capacity))])
+        self._fresh = np.concatenate([self._fresh, np.zeros(size - len(self._fresh))])
         self._inserted = np.concatenate([self._inserted, np.zeros(size - len(self._inserted))])
 
     def _refresh(self, number: int) -> None:
@@ -293,11 +337,7 @@ class Router:
         self._grow(number)
         now = self._clock()
         metrics = self._metrics.get(number)
-        if (
-            metrics is None
-            or self._fresh_until.get(number, 0.0) <= now
-            or self._down_until.get(number, 0.0) > now
-        ):
+        if metrics is None or self._fresh[number] <= now or self._down_until.get(number, 0.0) > now:
             self._load[number] = np.inf
             return
         w = self.weights
@@ -326,19 +366,16 @@ class Router:
         now = self._clock()
         self._expire(now)
         keys = self.index.keys(token_ids, lora_name, extra_keys)
-        load = self._load.copy()
+        # A worker whose metrics went stale since they arrived is out, of the pick and
+        # of the fleet the eviction term compares with, until its next record.
+        load = np.where(self._fresh > now, self._load, np.inf)
         for name in exclude:
             number = self.index.worker_number(name)
             if number < len(load):
                 load[number] = np.inf
-        while True:
-            decision = self._choose(load, keys, len(token_ids))
-            if decision is None:
-                return None
-            if self._fresh_until.get(decision.number, 0.0) > now:
-                break
-            # Its metrics went stale since they arrived: out until the next ones.
-            self._load[decision.number] = load[decision.number] = np.inf
+        decision = self._choose(load, keys, len(token_ids))
+        if decision is None:
+            return None
         self._assign(decision)
         if self.share is not None:
             decision.request = next(self._requests)
@@ -540,6 +577,9 @@ class Router:
         for ``peer_timeout`` seconds at most."""
         if item.source == self.replica:
             return
+        # Expiry runs here too, not only when routing: a replica that routes nothing
+        # would keep every peer request's blocks (and their lingering ends) for good.
+        self._expire(self._clock())
         if isinstance(item, Resync):
             if item.reason is ResyncReason.NEW_EPOCH:
                 self._forget_peer(item.source)
@@ -550,29 +590,27 @@ class Router:
             return
         if not isinstance(body, RouteEvent):
             return
-        requests = self._peer_requests.setdefault(item.source, {})
         if body.phase == "routed":
-            self._add_peer_request(item.source, requests, body)
+            self._add_peer_request(item.source, body)
             return
-        decision = requests.get(body.request)
+        decision = self._peer_requests.get(item.source, {}).get(body.request)
         if decision is None:
             return
         if body.phase == "started":
             self.started(decision)
         elif body.phase == "finished":
-            del requests[body.request]
-            self._peer_count -= 1
+            self._drop_peer_request(decision)
             self.finished(decision)
 
-    def _add_peer_request(
-        self, peer: str, requests: dict[int, Decision], event: RouteEvent
-    ) -> None:
+    def _add_peer_request(self, peer: str, event: RouteEvent) -> None:
         number = self._load_workers.get(event.worker)
+        requests = self._peer_requests.get(peer)
         if (
             number is None
             or len(event.keys) > MAX_PEER_KEYS
             or self._peer_count >= MAX_PEER_REQUESTS
-            or event.request in requests
+            or (requests is None and len(self._peer_requests) >= MAX_PEERS)
+            or (requests is not None and event.request in requests)
         ):
             self.peer_rejected += 1
             return
@@ -592,24 +630,37 @@ class Router:
             request=event.request,
             peer=peer,
         )
+        if requests is None:
+            requests = self._peer_requests[peer] = {}
         requests[event.request] = decision
         self._peer_count += 1
-        self._peer_deadlines.append((self._clock() + self.peer_timeout, peer, decision))
+        self._peer_deadlines[(peer, event.request)] = self._clock() + self.peer_timeout
         self._assign(decision)
 
+    def _drop_peer_request(self, decision: Decision) -> None:
+        """A peer's request no longer in flight: out of every peer map (a peer left
+        with none goes too); the caller ends it (`finished`)."""
+        requests = self._peer_requests[decision.peer]
+        del requests[decision.request]
+        if not requests:
+            del self._peer_requests[decision.peer]
+        del self._peer_deadlines[(decision.peer, decision.request)]
+        self._peer_count -= 1
+
     def _forget_peer(self, peer: str) -> None:
-        for decision in self._peer_requests.pop(peer, {}).values():
-            self._peer_count -= 1
+        for decision in list(self._peer_requests.get(peer, {}).values()):
+            self._drop_peer_request(decision)
             self.finished(decision)
 
     def _expire(self, now: float) -> None:
-        while self._peer_deadlines and self._peer_deadlines[0][0] <= now:
-            _, peer, decision = self._peer_deadlines.popleft()
-            requests = self._peer_requests.get(peer, {})
-            if requests.get(decision.request) is decision:  # not ended nor restarted
-                del requests[decision.request]
-                self._peer_count -= 1
-                self.finished(decision)
+        deadlines = self._peer_deadlines
+        while deadlines:
+            (peer, request), deadline = next(iter(deadlines.items()))
+            if deadline > now:
+                break
+            decision = self._peer_requests[peer][request]
+            self._drop_peer_request(decision)
+            self.finished(decision)
         while self._finishing and self._finishing[0][0] <= now:
             _, decision = self._finishing.popleft()
             self._release(decision.number, decision.keys)
@@ -643,11 +694,16 @@ class Router:
         """Other replicas' requests in flight, counted here."""
         return self._peer_count
 
+    @property
+    def peers(self) -> int:
+        """Other replicas with requests in flight counted here (at most `MAX_PEERS`)."""
+        return len(self._peer_requests)
+
     def eligible(self) -> list[str]:
         """Workers that may get traffic now."""
         now = self._clock()
         return [
             self.index.worker_name(int(n))
             for n in np.flatnonzero(np.isfinite(self._load))
-            if self._fresh_until.get(int(n), 0.0) > now
+            if self._fresh[n] > now
         ]

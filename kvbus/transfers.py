@@ -304,12 +304,34 @@ Outcome = tuple[str, str, int, int, float]
 """(direction, outcome, tokens, blocks, seconds) of one ended transfer."""
 
 
+MAX_INCREMENT: Final = float(2**53)
+"""The most one record may add to a counter (tokens, blocks, seconds, a stats field):
+larger, negative or non-finite numbers from the network are refused (counted), so no
+sequence of records (fewer than 2**970 of them) can drive a counter to infinity."""
+
+
+def increment(value: Any) -> bool:
+    """Whether ``value`` may be added to a counter: a finite number, not a bool, in
+    ``[0, MAX_INCREMENT]``."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_INCREMENT
+    )
+
+
 def outcomes(events: Iterable[TransferEvent]) -> list[Outcome]:
-    """The ended transfers among ``events``, as the metrics count them."""
+    """The ended transfers among ``events``, as the metrics count them: an unknown
+    direction or phase, or a number that is no `increment`, is left out."""
     return [
-        (e.direction, e.phase, e.tokens, e.blocks, e.seconds if math.isfinite(e.seconds) else 0.0)
+        (e.direction, e.phase, e.tokens, e.blocks, e.seconds)
         for e in events
-        if e.phase in OUTCOMES and e.direction in (LOAD, SAVE)
+        if e.phase in OUTCOMES
+        and e.direction in (LOAD, SAVE)
+        and increment(e.tokens)
+        and increment(e.blocks)
+        and increment(e.seconds)
     ]
 
 
@@ -344,12 +366,12 @@ class TransferCounters:
         for direction, outcome, tokens, blocks, seconds in ended:
             key = (*labels, direction, outcome)
             f["kvbus_connector_transfers"].labels(*key).inc()
-            f["kvbus_connector_transfer_tokens"].labels(*key).inc(max(0, tokens))
-            f["kvbus_connector_transfer_blocks"].labels(*key).inc(max(0, blocks))
-            f["kvbus_connector_transfer_seconds"].labels(*key).inc(max(0.0, seconds))
+            f["kvbus_connector_transfer_tokens"].labels(*key).inc(tokens)
+            f["kvbus_connector_transfer_blocks"].labels(*key).inc(blocks)
+            f["kvbus_connector_transfer_seconds"].labels(*key).inc(seconds)
             if outcome == "finished":
                 f["kvbus_connector_transfer_duration_seconds"].labels(*labels, direction).observe(
-                    max(0.0, seconds)
+                    seconds
                 )
 
 
@@ -363,6 +385,10 @@ class ConnectorMetrics:
     ``kvbus_connector_stat_total{connector, name}``, and vLLM's self-describing
     offloading payload (``{"types": ..., "data": ...}``) adds its counters and its
     histograms' samples; gauges are not additive and are left out.
+
+    A scrape costs O(series): past `MAX_SOURCES` engines, the others are summed under
+    ``source="other"`` (`OTHER_SOURCES`; totals stay exact), and past `MAX_STAT_SERIES`
+    stats series new ones are dropped.
     """
 
     def __init__(self, registry: Any = None) -> None:
@@ -383,8 +409,11 @@ class ConnectorMetrics:
             registry=self.registry,
         )
         self.malformed = 0
+        self.refused_values = 0
+        """Numbers in records that are no `increment` (negative, non-finite, huge)."""
         self.dropped_series = 0
         self.dropped_sources = 0
+        """Records of sources past `MAX_SOURCES`, counted under `OTHER_SOURCES`."""
         self._sources: set[str] = set()
         self._series: set[tuple[str, str, str]] = set()
 
@@ -399,28 +428,34 @@ class ConnectorMetrics:
             self._series.add(key)
         self.stat.labels(*key).inc(value)
 
-    def _admit(self, source: str) -> bool:
-        """Series per source outlive the source: past `MAX_SOURCES` sources, new ones
-        are not exported (counted in ``dropped_sources``)."""
+    def _label(self, source: str) -> str:
+        """The ``source`` label of ``source``'s series: itself for the first
+        `MAX_SOURCES` sources (series outlive their source), `OTHER_SOURCES` for the
+        rest (counted in ``dropped_sources``), so that a scrape stays O(MAX_SOURCES)."""
         if source in self._sources:
-            return True
+            return source
         if len(self._sources) >= MAX_SOURCES:
             self.dropped_sources += 1
-            return False
+            return OTHER_SOURCES
         self._sources.add(source)
-        return True
+        return source
 
     def apply(self, item: Message | Resync) -> None:
         if isinstance(item, Resync) or item.kind != Kind.CONNECTOR:
             return
         batch = item.body
-        if not isinstance(batch, ConnectorBatch) or not self._admit(item.source):
+        if not isinstance(batch, ConnectorBatch):
             return
-        self.transfers.observe([item.source], outcomes(batch.transfers))
+        source = self._label(item.source)
+        ended = outcomes(batch.transfers)
+        self.refused_values += sum(
+            1 for e in batch.transfers if e.phase in OUTCOMES and e.direction in (LOAD, SAVE)
+        ) - len(ended)
+        self.transfers.observe([source], ended)
         for direction in (LOAD, SAVE):
             count = sum(1 for d in batch.digests if d.direction == direction)
             if count:
-                self.digests.labels(item.source, direction).inc(count)
+                self.digests.labels(source, direction).inc(count)
         stats = batch.stats
         if stats is None:
             return
@@ -428,8 +463,10 @@ class ConnectorMetrics:
             try:
                 payload = decode_raw(raw)
                 if payload is not None:
-                    for name, value in additive_fields(payload):
-                        self._add_stat(item.source, stats.connector[:200], name[:200], value)
+                    fields = additive_fields(payload)
+                    for name, value in fields:
+                        self._add_stat(source, stats.connector[:200], name[:200], value)
+                    self.refused_values += fields.refused
             except (msgspec.DecodeError, RecursionError, TypeError, ValueError) as error:
                 self.malformed += 1
                 _limited.warning(
@@ -441,21 +478,49 @@ class ConnectorMetrics:
 
 
 _MAX_FIELDS: Final = 1024
-MAX_STAT_SERIES: Final = 10_000
-MAX_SOURCES: Final = 10_000
+MAX_STAT_SERIES: Final = 4096
+"""``kvbus_connector_stat_total`` series at most (names come from the network)."""
+MAX_SOURCES: Final = 256
+"""Sources with series of their own in `ConnectorMetrics` (about 70 samples each per
+scrape); the others are summed under `OTHER_SOURCES`."""
+OTHER_SOURCES: Final = "other"
 
 
-def additive_fields(payload: Any) -> list[tuple[str, float]]:
-    """The additive numbers of a stats payload as (name, value) pairs (at most 1,024).
+class Fields(list[tuple[str, float]]):
+    """`additive_fields`' (name, value) pairs, and how many numbers were refused."""
+
+    refused = 0
+
+
+def additive_fields(payload: Any) -> Fields:
+    """The additive numbers of a stats payload as (name, value) pairs (at most 1,024);
+    a number that is no `increment` is left out (counted in ``refused``), and so is a
+    sum that would exceed `MAX_INCREMENT`.
 
     vLLM's offloading shape ``{"types": {name: kind}, "data": {name: {labels: value}}}``
     gives its counters (summed over labels) and its histograms' ``<name>_count`` and
     ``<name>_sum``; any other map gives its numbers, and ``<name>_count``/``_sum`` of
     its lists of numbers.
     """
-    out: list[tuple[str, float]] = []
+    out = Fields()
     if not isinstance(payload, dict):
         return out
+
+    def add(name: str, values: list[Any], samples: bool) -> None:
+        """``values``' numbers: their sum (``samples``: their count and sum)."""
+        taken = [v for v in values if increment(v)]
+        out.refused += len(values) - len(taken)
+        if values and not taken and not samples:
+            return  # nothing countable: no series made
+        total = sum(taken)
+        if not increment(total):  # finite parts, too large a whole
+            out.refused += 1
+            return
+        if samples:
+            out.extend([(f"{name}_count", len(taken)), (f"{name}_sum", total)])
+        else:
+            out.append((name, total))
+
     types, data = payload.get("types"), payload.get("data")
     if isinstance(types, dict) and isinstance(data, dict):
         for name, kind in list(types.items())[:_MAX_FIELDS]:
@@ -464,26 +529,15 @@ def additive_fields(payload: Any) -> list[tuple[str, float]]:
                 continue
             values = list(series.values())
             if kind == "counter":
-                out.append((name, sum(v for v in values if _number(v))))
+                add(name, [v for v in values if not isinstance(v, list)], samples=False)
             elif kind == "histogram":
-                samples = [s for v in values if isinstance(v, list) for s in v if _number(s)]
-                out += [(f"{name}_count", len(samples)), (f"{name}_sum", sum(samples))]
+                add(name, [s for v in values if isinstance(v, list) for s in v], samples=True)
         return out
     for name, value in list(payload.items())[:_MAX_FIELDS]:
         if not isinstance(name, str):
             continue
-        if _number(value):
-            out.append((name, value))
-        elif isinstance(value, list):
-            samples = [v for v in value if _number(v)]
-            out += [(f"{name}_count", len(samples)), (f"{name}_sum", sum(samples))]
+        if isinstance(value, list):
+            add(name, value, samples=True)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            add(name, [value], samples=False)
     return out
-
-
-def _number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )

@@ -4,8 +4,13 @@ same state left behind, for any input, and a whole PrefixIndex run on each."""
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
 import shutil
 import struct
+import subprocess
+import sys
 from array import array
 from typing import Any
 
@@ -166,6 +171,78 @@ def test_chain_matches_python(data: bytes, step: int, parent: int) -> None:
     assert outcome(lambda: _ckernels.chain(data, step, parent)) == outcome(
         lambda: _kernels.chain(data, step, parent)
     )
+
+
+@pytest.mark.parametrize("kernels", [_kernels, _ckernels], ids=["python", "C"])
+def test_a_key_is_the_blake2b_of_its_parent_and_block(kernels: Any) -> None:
+    """The scheme, spelled out with hashlib: what another implementation must match."""
+    if kernels is None:
+        pytest.skip("kvbus._ckernels did not build")
+    data = array("I", range(1000, 1096)).tobytes()  # 3 blocks of 32 tokens
+
+    def blake2b(parent: int, block: bytes) -> int:
+        message = parent.to_bytes(8, "little", signed=True) + block
+        digest = hashlib.blake2b(message, digest_size=8, person=b"kvbus.key.v1").digest()
+        return int.from_bytes(digest, "little", signed=True)
+
+    first = blake2b(0, data[:128])
+    second = blake2b(first, data[128:256])
+    assert kernels.chain(data, 128, 0) == [first, second, blake2b(second, data[256:])]
+    assert kernels.chain(data, 128, -(2**63))[0] == blake2b(-(2**63), data[:128])
+
+
+SAMPLE_KEYS = """
+from kvbus.index import block_keys
+tokens = list(range(7, 7 + 64))
+extra = [("lora-1", "mm", [1, {"k": [2, 3]}]), None, {"salt": b"x"}, ("lora-1",)]
+KEYS = [
+    block_keys(tokens, 16),
+    block_keys(tokens, 16, parent=12345),
+    block_keys(tokens, 16, "lora-1", extra),
+    block_keys(tokens, 16, None, [None, (1.5, None, True)]),
+    block_keys(tokens, 16, lookahead=3),
+    block_keys(tokens, 16, lookahead=[[1], [2, 3], [], [4]]),
+]
+"""
+
+
+@pytest.mark.parametrize("pure_python", ["", "1"], ids=["C", "python"])
+def test_keys_are_the_same_in_every_process(pure_python: str) -> None:
+    """Router replicas share keys: no per-process seed (Python's ``hash`` has one for
+    bytes and str, and ``hash(None)`` is an address) may enter them."""
+    runs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "KVBUS_PURE_PYTHON": pure_python}
+        code = SAMPLE_KEYS + "import json; print(json.dumps(KEYS))"
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        runs.append(json.loads(out.stdout))
+    here: dict[str, Any] = {}
+    exec(SAMPLE_KEYS, here)
+    assert runs[0] == runs[1] == here["KEYS"]
+    plain, chained, salted, extras, ahead, ahead_given = here["KEYS"]
+    assert extras[0] == plain[0] and extras[1] != plain[1]  # a None extra key adds nothing
+    assert len(set(plain + chained + salted + ahead + ahead_given)) == 4 * 3 + 3 + 4
+
+
+def test_extra_keys_of_any_msgpack_value_key_their_blocks() -> None:
+    tokens = list(range(40, 48))  # 4 blocks of 2
+    extra = [("lora", [1, 2]), ("lora", "mm", [b"x", None]), ("lora", {"m": [1]}), None]
+    # Lists or tuples, as sent or as decoded: msgpack arrays either way.
+    as_lists = [list(e) if e else None for e in extra]
+    keys = kvbus.index.block_keys(tokens, 2, "lora", extra)
+    assert kvbus.index.block_keys(tokens, 2, "lora", as_lists) == keys
+    assert len(set(keys + kvbus.index.block_keys(tokens, 2, "lora"))) == 8
+    for value in ({"k": {"n": [None, 1.5]}}, [[[]]], b"\x00", 2**64 - 1, -(2**63)):
+        assert kvbus.index.block_keys(tokens, 2, None, [(value,)])[0] not in keys
+    index = PrefixIndex(2)
+    stored = BlockStored([1, 2, 3, 4], None, tokens, 2, None, "GPU", "lora")
+    stored.extra_keys = extra  # type: ignore[assignment]
+    index.apply_events("w", [stored])
+    assert index.stored(index.worker_number("w")) == 4
+    assert index.match(tokens, "lora", as_lists) == {"w": 8}
+    assert index.match(tokens, "lora") == {}  # other extra keys: other blocks
 
 
 # Small pools of hashes and keys, so that inputs hit known, held and repeated ones.

@@ -1,13 +1,23 @@
 """Router replicas behind one address share their requests in flight (the routes
 stream): the logic on hand-fed items, then two `kvbus router` services on one bus in
-front of scripted workers."""
+front of scripted workers, in this process and in two processes of their own on a real
+nats-server."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -15,16 +25,16 @@ import pytest
 from aiohttp import web
 
 import kvbus
-from kvbus import BlockStored, Kind, KVEventBatch, Message
+from kvbus import AllBlocksCleared, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
 from kvbus.events import RouteEvent, SourceStopped
 from kvbus.gateway import RouterApp, start, stop
-from kvbus.router import MAX_PEER_KEYS, Router
+from kvbus.router import MAX_KV_CACHE_BLOCKS, MAX_PEER_KEYS, MAX_PEERS, CostWeights, Router
 from kvbus.subscribe import Resync, ResyncReason
 
-from .servers import free_port
+from .servers import NatsServer, free_port
 from .test_gateway_limits import Fleet, answer
 from .test_gateway_limits import tokenizer as tokenizer
-from .test_router import PROMPT, B, Clock, load
+from .test_router import PROMPT, B, Clock, busy_cache, capacity, kv, load
 
 WORKERS = ("a", "b", "c", "d")
 
@@ -114,6 +124,115 @@ def test_forged_peer_events_cost_nothing() -> None:
     assert decision is not None and decision.load >= 0  # nothing negative or NaN got in
 
 
+def routed(peer: str, request: int, keys: list[int], worker: str = "a") -> Message:
+    event = RouteEvent(ts=0.0, request=request, phase="routed", worker=worker, keys=keys)
+    return Message(peer, 1, request, Kind.ROUTES, 0.0, event, b"", 0)
+
+
+def ended(peer: str, request: int, phase: str = "finished") -> Message:
+    event = RouteEvent(ts=0.0, request=request, phase=phase)
+    return Message(peer, 1, request, Kind.ROUTES, 0.0, event, b"", 0)
+
+
+def test_an_idle_replica_expires_its_peers_requests_as_routes_arrive() -> None:
+    shared = Replicas()
+    one, idle = shared.routers
+    decision = one.route(PROMPT)
+    assert decision is not None and idle.peer_requests == 1
+    shared.clock.now += idle.peer_timeout + 1  # its end was lost
+    idle.apply_routes(ended("r3", 1, "started"))  # any item of the stream, from anyone
+    assert idle.peer_requests == 0 and idle.peers == 0
+
+
+@pytest.mark.parametrize("routing", [False, True], ids=["idle", "busy"])
+def test_a_finished_peer_request_lets_go_of_its_keys_at_once(routing: bool) -> None:
+    router = Replicas(share=False).routers[1]
+    rng = random.Random(1)
+    before = sys.getallocatedblocks()  # small objects: the keys' ints among them
+    for request in range(1, 101):  # 100 peer requests of 2,000 keys each
+        keys = [rng.randrange(-(2**63), 2**63) for _ in range(2000)]
+        router.apply_routes(routed("r1", request, keys))
+    assert router.peer_requests == 100
+    assert sys.getallocatedblocks() - before > 200_000
+    for request in range(1, 101):
+        router.apply_routes(ended("r1", request))
+    router._clock.now += router.linger + 1  # type: ignore[attr-defined]
+    if routing:  # a busy replica: its own requests come and go
+        decision = router.route(PROMPT)
+        assert decision is not None
+        router.finished(decision)
+    else:  # one that routes nothing: only the routes stream goes on
+        router.apply_routes(ended("r1", 1))
+    # Their keys went with them: not kept for peer_timeout (600 s), nor until it routes.
+    assert sys.getallocatedblocks() - before < 10_000
+    assert router.peer_requests == 0 and router.peers == 0
+
+
+def test_peers_take_room_only_while_they_have_requests_in_flight() -> None:
+    router = Replicas(share=False).routers[1]
+    for peer in range(5000):  # sources that only ever said "finished" or "started"
+        router.apply_routes(ended(f"p{peer}", 1, ("finished", "started")[peer % 2]))
+    assert router.peers == 0
+    for peer in range(3):  # a routed request that ends: its replica goes with it
+        router.apply_routes(routed(f"q{peer}", 1, [1, 2]))
+        router.apply_routes(ended(f"q{peer}", 1))
+    assert router.peers == 0 and router.peer_requests == 0
+    for peer in range(MAX_PEERS):
+        router.apply_routes(routed(f"q{peer}", 1, [peer]))
+    assert router.peers == MAX_PEERS and router.peer_rejected == 0
+    router.apply_routes(routed("one-too-many", 1, [1]))
+    assert router.peers == MAX_PEERS and router.peer_rejected == 1
+    router.apply_routes(routed("q0", 2, [7]))  # a known peer's next request is welcome
+    assert router.peer_requests == MAX_PEERS + 1 and router.peer_rejected == 1
+    router.apply_routes(ended("q0", 1))
+    router.apply_routes(ended("q1", 1))  # q1 had one request: its room frees
+    router.apply_routes(routed("one-too-many", 1, [1]))
+    assert router.peers == MAX_PEERS and router.peer_rejected == 1
+
+
+def metrics(source: str, **figures: float) -> Message:
+    body = LoadMetrics(ts=0.0, running=0, waiting=0, **figures)  # type: ignore[arg-type]
+    return Message(source, 1, 1, Kind.METRICS, 0.0, body, b"", 0)
+
+
+def churn(router: Router, worker: str, blocks: int, first_hash: int) -> None:
+    """``worker`` newly caches ``blocks`` blocks, 20 at a time, each time evicting all
+    (it holds at most 20: its capacity is what it reports, not what it cached)."""
+    for first in range(first_hash, first_hash + blocks, 20):
+        busy_cache(router, worker, 20, first)
+        router.apply_kv(kv(worker, AllBlocksCleared()))
+
+
+def test_a_load_record_out_of_range_is_clamped_and_counted() -> None:
+    clock = Clock()
+    router = Router("kv", block_size=B, seed=1, clock=clock, weights=CostWeights(eviction=2))
+    for worker in ("a", "b"):
+        router.apply_metrics(capacity(worker, 100))
+    # One forged record claims a cache no fleet has, and is never heard from again.
+    router.apply_metrics(metrics("forged", kv_cache_usage=0.0, kv_cache_blocks=2**62))
+    clock.now += router.stale_after + 1
+    for worker in ("a", "b"):
+        router.apply_metrics(capacity(worker, 100))
+    # a cached 1,000 blocks long ago, b the fleet's last 200 (a fleet capacity): the
+    # insertion window holds only b's, so b evicts the fleet's freshest blocks, a none.
+    churn(router, "a", 1000, 10_000)
+    churn(router, "b", 200, 20_000)
+    decision = router.route(PROMPT)
+    assert decision is not None and decision.worker == "a", decision.explain()
+    assert decision.excess == 0.0 and decision.runner_up == "b"
+    assert decision.runner_up_cost > decision.cost + 1  # b's excess: no tie drawn
+    assert router.load_clamped == 1
+    assert MAX_KV_CACHE_BLOCKS < 2**62
+    router.finished(decision)
+    # A usage below 0 would draw every request; a NaN one would make the cost NaN.
+    for usage in (-1e300, math.nan, math.inf):
+        router.apply_metrics(metrics("b", kv_cache_usage=usage, kv_cache_blocks=100))
+        decision = router.route(PROMPT)
+        assert decision is not None and decision.worker == "a" and math.isfinite(decision.cost)
+        router.finished(decision)
+    assert router.load_clamped == 4
+
+
 # --- two router services on one bus -------------------------------------------------------
 
 
@@ -193,3 +312,125 @@ async def test_two_router_services_send_a_burst_to_one_worker(
         async with session.get(f"{second_url}/metrics") as response:
             metrics = await response.text()
     assert 'kvbus_publisher_published_total{source="r2",stream="routes"}' in metrics
+
+
+# --- two `kvbus router` processes on a real nats-server -----------------------------------
+
+
+@contextlib.contextmanager
+def router_processes(
+    url: str, tokenizer: Path, workers: dict[str, str], streams: dict[str, str], logs: Path
+) -> Iterator[list[str]]:
+    """Two ``kvbus router`` replicas, each a process with a hash seed of its own; yields
+    their base URLs."""
+    processes, bases, logged = [], [], []
+    try:
+        for number in (1, 2):
+            port = free_port()
+            command = [sys.executable, "-m", "kvbus.cli", "router", "--port", str(port)]
+            command += [f"--worker={name}={base}" for name, base in workers.items()]
+            command += ["--url", url, "--tokenizer", str(tokenizer), "--block-size", "16"]
+            command += ["--kv-stream", streams["kv"], "--metrics-stream", streams["metrics"]]
+            command += ["--routes-stream", streams["routes"], "--replica", f"r{number}"]
+            env = {**os.environ, "PYTHONHASHSEED": str(number)}
+            logged.append(open(logs / f"router-{number}.log", "wb"))
+            out = logged[-1]
+            processes.append(subprocess.Popen(command, env=env, stdout=out, stderr=out))
+            bases.append(f"http://127.0.0.1:{port}")
+        yield bases
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for out in logged:
+            out.close()
+
+
+async def beat(url: str, stream: str, workers: list[str]) -> None:
+    """Each worker's load twice a second, as its stat logger would send it."""
+    publishers = [kvbus.Publisher(url, stream=stream, source=f"{w}/dp0") for w in workers]
+    try:
+        while True:
+            for publisher in publishers:
+                record = LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0)
+                publisher.publish(record, Kind.METRICS)
+            await asyncio.sleep(0.5)
+    finally:
+        for publisher in publishers:
+            await publisher.aclose(1)
+
+
+async def peer_requests(session: aiohttp.ClientSession, base: str) -> float:
+    async with session.get(f"{base}/metrics") as response:
+        text = await response.text()
+    found = re.search(r"^kvbus_router_peer_requests (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else -1.0
+
+
+async def ready(session: aiohttp.ClientSession, base: str) -> bool:
+    try:
+        async with session.get(f"{base}/health") as response:
+            return response.status == 200
+    except aiohttp.ClientConnectionError:
+        return False  # not listening yet
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_replicas_in_processes_of_their_own_send_a_burst_to_one_worker(
+    nats_server: NatsServer, tokenizer: Path, tmp_path: Path
+) -> None:
+    """Their keys mean the same in both processes: a request routed by one replica makes
+    the other see its prompt's blocks about to be cached on that worker (keys that
+    meant nothing there would leave only its load, pushing the burst elsewhere)."""
+    tag = uuid.uuid4().hex[:8]
+    streams = {name: f"{name}-{tag}" for name in ("kv", "metrics", "routes")}
+    fleet, held = Fleet(nats_server.url), Held()
+    for name in WORKERS:
+        await fleet.worker(name, held.generate)
+    beating = asyncio.create_task(beat(nats_server.url, streams["metrics"], list(WORKERS)))
+    body = json.dumps({"model": "m", "prompt": " ".join(f"w{i}" for i in range(200))})
+
+    async def post(session: aiohttp.ClientSession, base: str) -> tuple[str, int]:
+        async with session.post(f"{base}/v1/completions", data=body) as response:
+            assert response.status == 200
+            headers = response.headers
+            return headers["x-kvbus-worker"], int(headers["x-kvbus-predicted-cached-tokens"])
+
+    try:
+        with router_processes(
+            nats_server.url, tokenizer, fleet.workers, streams, tmp_path
+        ) as bases:
+            async with aiohttp.ClientSession() as session:
+                for base in bases:
+                    await eventually(functools.partial(ready, session, base))
+                burst = []
+                for number in range(4):  # to each replica in turn
+                    burst.append(asyncio.create_task(post(session, bases[number % 2])))
+                    other, sent_there = bases[(number + 1) % 2], number // 2 + 1
+
+                    async def seen(other: str = other, sent_there: int = sent_there) -> bool:
+                        return await peer_requests(session, other) == sent_there
+
+                    await eventually(seen)  # the other replica counts them all
+                held.release.set()
+                answers = await asyncio.wait_for(asyncio.gather(*burst), 30)
+    finally:
+        held.release.set()
+        beating.cancel()
+        await asyncio.gather(beating, return_exceptions=True)
+        await fleet.close()
+    workers = {worker for worker, _ in answers}
+    assert len(workers) == 1, answers
+    # Each request after the first found the burst's blocks where it went.
+    assert [predicted > 0 for _, predicted in answers] == [False, True, True, True], answers

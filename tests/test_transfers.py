@@ -3,6 +3,7 @@ tests/test_vllm_connector.py and test_connector_aggregation.py drive the real pa
 
 from __future__ import annotations
 
+import math
 import time
 
 import msgspec
@@ -12,7 +13,15 @@ import pytest
 import kvbus.transfers
 from kvbus import Kind, Message
 from kvbus.events import ConnectorBatch, ConnectorStats, TransferEvent, encode
-from kvbus.transfers import MAX_STAT_SERIES, ConnectorMetrics, TransferTracker, additive_fields
+from kvbus.transfers import (
+    MAX_INCREMENT,
+    MAX_SOURCES,
+    MAX_STAT_SERIES,
+    OTHER_SOURCES,
+    ConnectorMetrics,
+    TransferTracker,
+    additive_fields,
+)
 
 
 def phases(tracker: TransferTracker) -> list[tuple[str, str, str, int]]:
@@ -93,8 +102,9 @@ def test_hostile_stats_cost_bounded_series() -> None:
             infinite,
         )
     )
-    seconds = {"source": "e/dp0", "direction": "load", "outcome": "finished"}
-    assert registry.get_sample_value("kvbus_connector_transfer_seconds_total", seconds) == 0.0
+    ended = {"source": "e/dp0", "direction": "load", "outcome": "finished"}
+    assert registry.get_sample_value("kvbus_connector_transfers_total", ended) is None
+    assert metrics.refused_values == 2  # the transfer's seconds, the stat's value
     assert (
         registry.get_sample_value(
             "kvbus_connector_stat_total", {"source": "e/dp0", "connector": "x", "name": "n"}
@@ -153,6 +163,65 @@ def test_hostile_digests_and_sources_cost_bounded_series(monkeypatch: pytest.Mon
         s for s in families["kvbus_connector_block_digests"].samples if s.name.endswith("_total")
     ]
     assert {(s.labels["source"], s.labels["direction"], s.value) for s in samples} == {
-        (f"e{n}/dp0", "load", 1.0) for n in range(3)
+        *((f"e{n}/dp0", "load", 1.0) for n in range(3)),
+        (OTHER_SOURCES, "load", 2.0),  # the sources past the cap, summed
     }
     assert metrics.dropped_sources == 2
+
+
+def test_no_record_drives_a_counter_to_infinity() -> None:
+    """1,024 finite values of 1e308 in one stats payload summed to +Inf, and a counter at
+    +Inf stays there; so did two transfers of 1e308 seconds. Each number from the
+    network is now an increment in [0, 2**53] or refused (counted), and so is a sum."""
+    registry = prom.CollectorRegistry()
+    metrics = ConnectorMetrics(registry)
+    huge = {"types": {"n": "counter"}, "data": {"n": {(f"l{i}",): 1e308 for i in range(1024)}}}
+    slow = TransferEvent(request_id="r", direction="load", phase="finished", seconds=1e308)
+    for _ in range(2):
+        stats = ConnectorStats(connector="x", workers=msgspec.msgpack.encode(huge))
+        metrics.apply(message(stats, slow))
+        largest = msgspec.msgpack.encode({"m": 1.7976931348623157e308})  # finite
+        metrics.apply(message(ConnectorStats(connector="x", workers=largest)))
+    each_fine = {("a",): MAX_INCREMENT, ("b",): MAX_INCREMENT}  # their sum is not
+    capped = {"types": {"n": "counter"}, "data": {"n": each_fine}}
+    metrics.apply(message(ConnectorStats(connector="x", workers=msgspec.msgpack.encode(capped))))
+    metrics.apply(message(ConnectorStats(connector="x", workers=msgspec.msgpack.encode({"n": 3}))))
+    values = [s.value for f in registry.collect() for s in f.samples]
+    assert all(math.isfinite(v) for v in values)
+    stat = {"source": "e/dp0", "connector": "x", "name": "n"}
+    assert registry.get_sample_value("kvbus_connector_stat_total", stat) == 3
+    assert metrics.refused_values == 2 * (1024 + 1 + 1) + 1  # values, seconds, m; a sum
+    ended = {"source": "e/dp0", "direction": "load", "outcome": "finished"}
+    assert registry.get_sample_value("kvbus_connector_transfers_total", ended) is None
+
+
+def test_a_scrape_stays_bounded_whatever_the_number_of_sources() -> None:
+    """Every source got its own ~70 series: 10,000 sources made a scrape take 5.4 s and
+    64 MiB. Past `MAX_SOURCES`, sources share one label (totals exact): a scrape's
+    samples are bounded however many sources send (counted here, not timed)."""
+    registry = prom.CollectorRegistry()
+    metrics = ConnectorMetrics(registry)
+    done = TransferEvent(request_id="r", direction="load", phase="finished", tokens=16, blocks=1)
+    saved = TransferEvent(request_id="r", direction="save", phase="failed", tokens=16, blocks=1)
+
+    def send(source: str) -> None:
+        body = ConnectorBatch(time.time(), 1, [done, saved], None)
+        metrics.apply(Message(source, 1, 1, Kind.CONNECTOR, 0.0, body, encode(body), 1))
+
+    def samples() -> int:
+        return sum(len(f.samples) for f in registry.collect())
+
+    send("e0")
+    per_source = samples()
+    sources = 4 * MAX_SOURCES
+    for n in range(1, sources):
+        send(f"e{n}")
+    assert samples() <= (MAX_SOURCES + 1) * per_source
+    assert metrics.dropped_sources == sources - MAX_SOURCES
+    total = sum(
+        s.value
+        for f in registry.collect()
+        for s in f.samples
+        if s.name == "kvbus_connector_transfer_tokens_total"
+    )
+    assert total == 2 * 16 * sources  # nothing lost: the others are summed
