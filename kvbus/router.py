@@ -277,6 +277,8 @@ class Router:
             self._fresh[number] = self._clock() + self.stale_after - max(0.0, age)
             if metrics.kv_cache_blocks > 0:
                 self._capacity[number] = metrics.kv_cache_blocks
+                # The index then holds no more of this worker's blocks than its engine can.
+                self.index.set_capacity(item.source, metrics.kv_cache_blocks)
             self._refresh(number)
         elif isinstance(item.body, SourceStopped):
             self._stopped(item)

@@ -14,6 +14,7 @@ import kvbus.index
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message
 from kvbus.events import LoadMetrics, decode_kv_batch, decode_raw, encode
 from kvbus.index import PrefixIndex
+from kvbus.router import Router
 
 B = 4
 PROMPT = list(range(100, 116))  # 4 blocks of B
@@ -206,6 +207,20 @@ def test_an_advertised_capacity_caps_the_workers_gpu_blocks() -> None:
     limit = 100 * kvbus.index.CAPACITY_HEADROOM + 1024
     assert index.resident("big") <= limit and index.over_cap >= 10_000 - limit
     assert len(index) == held_keys(index)
+
+
+def test_a_routers_load_records_cap_the_index_by_the_engines_capacity() -> None:
+    """The router reads load from the metrics stream, not the index: it hands the
+    advertised capacity on, so a source claiming more blocks than its engine holds is
+    capped in the router's index too (clamped first: 2**62 blocks would cap nothing)."""
+    router = Router(block_size=B)
+    for blocks in (100, 2**62):
+        name = f"engine-{blocks}"
+        load = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0, kv_cache_blocks=blocks)
+        router.apply_metrics(Message(name, 1, 1, Kind.METRICS, 0.0, load, encode(load), 0))
+        a_long_chain(router.index, name, 5_000)
+    assert router.index.resident("engine-100") <= 100 * kvbus.index.CAPACITY_HEADROOM + 1024
+    assert router.index.resident(f"engine-{2**62}") == 5_000
 
 
 # --- 5. a store that fails is skipped whole -------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -144,16 +146,26 @@ def test_an_idle_replica_expires_its_peers_requests_as_routes_arrive() -> None:
     assert idle.peer_requests == 0 and idle.peers == 0
 
 
+class Keys(list[int]):
+    """A prompt's keys that a test can hold a weak reference to."""
+
+    __slots__ = ("__weakref__",)
+
+
 @pytest.mark.parametrize("routing", [False, True], ids=["idle", "busy"])
 def test_a_finished_peer_request_lets_go_of_its_keys_at_once(routing: bool) -> None:
     router = Replicas(share=False).routers[1]
     rng = random.Random(1)
-    before = sys.getallocatedblocks()  # small objects: the keys' ints among them
+    held, every_key = [], set()
     for request in range(1, 101):  # 100 peer requests of 2,000 keys each
-        keys = [rng.randrange(-(2**63), 2**63) for _ in range(2000)]
+        keys = Keys(rng.randrange(-(2**63), 2**63) for _ in range(2000))
+        held.append(weakref.ref(keys))
+        every_key.update(keys)
         router.apply_routes(routed("r1", request, keys))
+        del keys
+    gc.collect()
     assert router.peer_requests == 100
-    assert sys.getallocatedblocks() - before > 200_000
+    assert all(ref() is not None for ref in held) and router._pending  # type: ignore[attr-defined]
     for request in range(1, 101):
         router.apply_routes(ended("r1", request))
     router._clock.now += router.linger + 1  # type: ignore[attr-defined]
@@ -163,8 +175,13 @@ def test_a_finished_peer_request_lets_go_of_its_keys_at_once(routing: bool) -> N
         router.finished(decision)
     else:  # one that routes nothing: only the routes stream goes on
         router.apply_routes(ended("r1", 1))
-    # Their keys went with them: not kept for peer_timeout (600 s), nor until it routes.
-    assert sys.getallocatedblocks() - before < 10_000
+    # Their keys went with them: not kept for peer_timeout (600 s), nor until it routes
+    # (no list of them left, nor a count of any of them in what the router holds).
+    gc.collect()
+    assert [ref for ref in held if ref() is not None] == []
+    pending = router._pending  # type: ignore[attr-defined]
+    assert not any(every_key.intersection(counts) for counts in pending.values())
+    assert not every_key.intersection(router._pending_masks)  # type: ignore[attr-defined]
     assert router.peer_requests == 0 and router.peers == 0
 
 
