@@ -12,6 +12,14 @@ Without ``KVBUS_URL`` nothing changes. The engine's step loop only pays
 `kvbus.Publisher.publish` (a deque append; the batch is encoded on kvbus's sender thread,
 byte for byte as vLLM's own publisher would), never a blocking queue put.
 
+A server stopped cleanly (SIGTERM, Ctrl-C) ends each engine's epoch with
+``SourceStopped``, so consumers see it ``stopped`` rather than silent. vLLM stops its
+engine-core processes with SIGTERM and, unless ``--shutdown-timeout`` is set, SIGKILL
+right after: the publisher there rarely gets to close. So each engine's publisher keeps
+its place in its epoch (`Handoff`: a few bytes in shared memory, written as each batch
+goes to the transport), and the first vLLM process, which outlives its engines, ends
+the epoch of every engine that could not (`stop_for_engines`, at its exit).
+
 ``KVBUS_KEEP_ZMQ=1`` keeps vLLM's own ZMQ publisher running beside kvbus's, on the
 endpoints of ``--kv-events-config``, for consumers not yet moved to the bus (vLLM's
 router, Dynamo's indexer); the step then also pays that publisher's queue put, which
@@ -20,13 +28,24 @@ blocks when its queue is full, as without kvbus.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
+import fcntl
 import logging
+import mmap
 import os
 import shutil
+import struct
 import tempfile
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
 
+import msgspec
+from kvbus.transports import Entry, Position, Record, Transport, open_transport
 from vllm.distributed.kv_events import (
     EventBatch,
     EventPublisher,
@@ -36,10 +55,20 @@ from vllm.distributed.kv_events import (
 
 import kvbus
 from kvbus import metrics
-from kvbus.config import redact_url, resolve_source
-from kvbus.envelope import Kind
+from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
+from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
+from kvbus.events import SourceStopped, encode
+from kvbus.publisher import PublisherStats
 
 log = logging.getLogger("kvbus.connectors")
+
+STOP_WITHIN: Final = 2.0
+"""Seconds the first vLLM process spends, at its exit, ending its engines' epochs (and
+its stat logger's): a bus that does not answer costs the exit no more."""
+HANDOFF_DIR: Final = "handoffs"
+"""The subdirectory of ``$KVBUS_METRICS_DIR`` holding each engine publisher's `Handoff`."""
+_SERVERLESS: Final = ("memory", "zmq")
+"""Schemes whose bus lives in the publishing process: no other process can end its epoch."""
 
 
 def engine_source(data_parallel_rank: int) -> str:
@@ -51,6 +80,163 @@ def engine_source(data_parallel_rank: int) -> str:
     (``hostname-pid`` of the front end), which the engine processes it spawns inherit.
     """
     return f"{resolve_source(None)}/dp{data_parallel_rank}"
+
+
+class HandoffState(msgspec.Struct, kw_only=True):
+    source: str
+    stream: str
+    epoch: int
+    seq: int
+    """The newest seq handed to the transport (0: none)."""
+    dropped: int
+    closed: bool
+    """The publisher sent its own ``SourceStopped``."""
+
+
+class Handoff:
+    """Where an engine's publisher stands in its epoch, for the process that outlives it.
+
+    A file in ``directory``: 32 bytes (epoch, newest seq handed to the transport,
+    messages dropped, closed) mapped in memory, so each batch sent costs a few stores;
+    then the source and stream names. The publishing process holds a lock on the file
+    while it lives; the kernel drops it when the process ends, however it ends (a
+    SIGKILL too), so `stop_for_engines` never speaks for a live publisher."""
+
+    _NUMBERS: Final = struct.Struct("<qqqq")
+
+    def __init__(self, directory: Path, source: str, stream: str) -> None:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self.path = directory / f"{os.getpid()}-{os.urandom(4).hex()}.handoff"
+        names = msgspec.json.encode({"source": source, "stream": stream})
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._file = os.fdopen(fd, "r+b")
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: never held
+        self._file.write(bytes(self._NUMBERS.size) + names)
+        self._file.flush()
+        self._numbers = mmap.mmap(self._file.fileno(), self._NUMBERS.size)
+        self.stats: PublisherStats | None = None
+        """The publisher's counters, for the dropped count (set once it exists)."""
+
+    def handed(self, msg_id: str) -> None:
+        """``msg_id`` (``source:epoch:seq``) goes to the transport now."""
+        head, _, seq = msg_id.rpartition(":")
+        epoch = head.rpartition(":")[2]
+        dropped = self.stats.dropped if self.stats is not None else 0
+        self._NUMBERS.pack_into(self._numbers, 0, int(epoch), int(seq), dropped, 0)
+
+    def closed(self) -> None:
+        """The publisher closed: its ``SourceStopped`` was sent (or given up on)."""
+        epoch, seq, dropped, _ = self._NUMBERS.unpack_from(self._numbers)
+        self._NUMBERS.pack_into(self._numbers, 0, epoch, seq, dropped, 1)
+
+    @classmethod
+    def read(cls, path: Path, deadline: float = 0.0) -> HandoffState | None:
+        """The state in ``path`` once its publisher is gone, waiting for that until
+        ``deadline`` (`time.monotonic`); None if it still runs then, or for a file that
+        holds no handoff. (A process just sent SIGKILL takes a moment to end.)"""
+        with open(path, "rb") as file:
+            while True:
+                try:
+                    fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        return None  # its process still runs
+                    time.sleep(0.01)
+            data = file.read(cls._NUMBERS.size + 4096)
+        if len(data) <= cls._NUMBERS.size:
+            return None
+        epoch, seq, dropped, closed = cls._NUMBERS.unpack_from(data)
+        try:
+            names = msgspec.json.decode(data[cls._NUMBERS.size :], type=dict[str, str])
+            return HandoffState(
+                source=names["source"],
+                stream=names["stream"],
+                epoch=epoch,
+                seq=seq,
+                dropped=dropped,
+                closed=bool(closed),
+            )
+        except (msgspec.DecodeError, KeyError):
+            return None
+
+
+class _Recording(Transport):
+    """A transport that notes in a `Handoff` each message handed to it."""
+
+    def __init__(self, inner: Transport, handoff: Handoff) -> None:
+        self.inner = inner
+        self.handoff = handoff
+
+    async def append(self, stream: str, records: Sequence[Record]) -> None:
+        if records:  # before the append: it may reach the server and never return
+            self.handoff.handed(records[-1].msg_id)
+        await self.inner.append(stream, records)
+
+    def read(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Entry]:
+        return self.inner.read(stream, after, follow=follow)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def stopped_message(state: HandoffState, now: float) -> Record:
+    """The ``SourceStopped`` that ends ``state``'s epoch right after what it sent."""
+    envelope = Envelope(
+        SCHEMA_VERSION,
+        Kind.CONTROL,
+        state.source,
+        state.epoch,
+        state.seq + 1,
+        now,
+        encode(SourceStopped(dropped=state.dropped)),
+    )
+    return Record(state.source, envelope.msg_id, encode_envelope(envelope))
+
+
+def unstopped_engines(directory: Path, wait: float = 0.0) -> list[HandoffState]:
+    """The engine publishers with a `Handoff` in ``directory`` whose process is gone
+    without their ``SourceStopped``, or goes within ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    states = (Handoff.read(path, deadline) for path in sorted(directory.glob("*.handoff")))
+    return [s for s in states if s is not None and not s.closed and s.seq > 0]
+
+
+async def stop_for_engines(pending: list[HandoffState], url: str) -> int:
+    """End the epoch of each of ``pending`` (`unstopped_engines`) on the bus of ``url``;
+    returns how many it ended. Bounded by `STOP_WITHIN` seconds."""
+    if not pending or urlsplit(url).scheme in _SERVERLESS:
+        return 0
+    transport = open_transport(url)
+    ended = 0
+    try:
+        async with asyncio.timeout(STOP_WITHIN):
+            for state in pending:
+                await transport.append(state.stream, [stopped_message(state, time.time())])
+                ended += 1
+                log.info("kvbus: ended the epoch of %s for its stopped engine", state.source)
+    except Exception as error:  # the bus is down: consumers will see the engine go stale
+        log.warning(
+            "kvbus: %d stopped engines not announced on %s: %r",
+            len(pending) - ended,
+            redact_url(url),
+            error,
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(STOP_WITHIN):
+                await transport.aclose()
+    return ended
+
+
+def _stop_for_engines_at_exit(directory: str) -> None:
+    with contextlib.suppress(Exception):
+        # vLLM has stopped its engines by now, the last with a SIGKILL a moment ago.
+        pending = unstopped_engines(Path(directory) / HANDOFF_DIR, STOP_WITHIN)
+        if pending:
+            asyncio.run(stop_for_engines(pending, resolve_url(None)))
 
 
 class KvbusEventPublisher(EventPublisher):
@@ -72,12 +258,22 @@ class KvbusEventPublisher(EventPublisher):
         self.zmq: ZmqEventPublisher | None = None
         if os.environ.get("KVBUS_KEEP_ZMQ", "").lower() in ("1", "true", "yes"):
             self.zmq = ZmqEventPublisher(data_parallel_rank, **zmq_options)
+        source = engine_source(data_parallel_rank)
+        self.handoff: Handoff | None = None
+        transport = None
+        directory = os.environ.get(metrics.METRICS_DIR_ENV)
+        if directory and url is None:  # the bus of KVBUS_URL, which the first process has
+            self.handoff = Handoff(Path(directory) / HANDOFF_DIR, source, resolve_stream(stream))
+            transport = _Recording(open_transport(resolve_url(None)), self.handoff)
         self.publisher = kvbus.Publisher(
             url,
             stream=stream,
-            source=engine_source(data_parallel_rank),
+            source=source,
             data_parallel_rank=data_parallel_rank,
+            transport=transport,
         )
+        if self.handoff is not None:
+            self.handoff.stats = self.publisher.stats
         report_bus_metrics()
         log.info(
             "kvbus: KV events of %s go to %s", self.publisher.source, redact_url(self.publisher.url)
@@ -92,6 +288,8 @@ class KvbusEventPublisher(EventPublisher):
 
     def shutdown(self) -> None:
         self.publisher.close()
+        if self.handoff is not None:
+            self.handoff.closed()
         if self.zmq is not None:
             self.zmq.shutdown()
 
@@ -114,6 +312,8 @@ def register() -> None:
         # processes inherit, and removes it when it exits.
         directory = tempfile.mkdtemp(prefix="kvbus-metrics-")
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        # Registered after the removal, so run before it: the engines are gone by then.
+        atexit.register(_stop_for_engines_at_exit, directory)
         os.environ[metrics.METRICS_DIR_ENV] = directory
     # register_publisher() refuses a taken name, and the config only allows "zmq".
     EventPublisherFactory._registry["zmq"] = KvbusEventPublisher

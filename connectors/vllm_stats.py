@@ -6,17 +6,20 @@ does nothing. Records go to ``$KVBUS_METRICS_STREAM`` (default ``metrics``) unde
 same source name as the engine's KV events (`engine_source`), at most one per
 ``$KVBUS_METRICS_INTERVAL`` seconds per engine (default 0.25), plus at once when the
 engine turns busy or idle, and every ``$KVBUS_METRICS_HEARTBEAT`` seconds (default 2) while
-nothing else is sent, so consumers can tell an idle engine from a dead one.
+nothing else is sent, so consumers can tell an idle engine from a dead one. When the
+process exits (a server stopped cleanly), the logger closes: ``SourceStopped`` ends its
+epoch, and consumers see the engine ``stopped`` rather than silent.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
 from typing import Any
 
-from kvbus.connectors.vllm_events import engine_source
+from kvbus.connectors.vllm_events import STOP_WITHIN, engine_source
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -51,6 +54,16 @@ class KvbusStatLogger(StatLoggerBase):
         self._last_sent = 0.0
         self._closed = threading.Event()
         threading.Thread(target=self._beat, name="kvbus-metrics-heartbeat", daemon=True).start()
+        # vLLM tells a stat logger nothing when it stops; the process's exit does.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop the heartbeat and end the epoch with ``SourceStopped`` (within about
+        `STOP_WITHIN` seconds whatever the bus does). Idempotent."""
+        if self.publisher is None:
+            return
+        self._closed.set()
+        self.publisher.close(STOP_WITHIN)  # a record published after it is only counted
 
     def record(
         self,

@@ -2,7 +2,11 @@
 runs a publisher and a subscriber on the embedded bus and prints what arrives; ``kvbus
 bridge`` forwards stock vLLM ZMQ publishers; ``kvbus router`` runs the KV-aware router
 in front of vLLM servers (`kvbus.gateway`); ``kvbus top`` shows the fleet's workers live
-(`kvbus.top`)."""
+(`kvbus.top`).
+
+The commands that talk to other processes (all but ``demo``) read ``--url``, else
+``$KVBUS_URL``, else the local NATS server (`kvbus.config.DEFAULT_COMMAND_URL`), and say
+on stderr which bus they use and when it does not answer."""
 
 from __future__ import annotations
 
@@ -23,7 +27,13 @@ from typing import Any, Final
 
 import msgspec
 
-from kvbus.config import redact_url
+from kvbus.config import (
+    DEFAULT_COMMAND_URL,
+    describe_bus,
+    redact_url,
+    resolve_command_url,
+    resolve_stream,
+)
 from kvbus.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -35,11 +45,14 @@ from kvbus.events import (
 from kvbus.logs import LimitedLog, displayable, terminal_safe_json
 from kvbus.publisher import Publisher
 from kvbus.snapshot import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_COPIES
-from kvbus.subscribe import Cursor, Message, Resync, subscribe
+from kvbus.subscribe import Cursor, Message, Resync, SubscriptionStats, subscribe
 
 _json = msgspec.json.Encoder()
 _limited = LimitedLog(logging.getLogger("kvbus.cli"))
 
+URL_HELP: Final = f"transport URL (default $KVBUS_URL, else {DEFAULT_COMMAND_URL})"
+UNREACHABLE_CHECK: Final = 0.5
+"""Seconds between a command's looks at whether its bus answers (`say_if_unreachable`)."""
 DEFAULT_CURSOR_INTERVAL: Final = 1.0
 """Seconds between saves of ``kvbus tail --cursor-file`` (``--cursor-interval``)."""
 SHUTDOWN_GRACE: Final = 1.0
@@ -154,19 +167,53 @@ class CursorFile:
                 _limited.warning("cursor_file", "kvbus tail: cursor not saved: %s", error)
 
 
+def say(line: str) -> None:
+    """One progress line of a command, on stderr (stdout is its data)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+async def say_if_unreachable(
+    command: str, url: str, stats: Callable[[], list[SubscriptionStats]]
+) -> None:
+    """Say once, on stderr, that the bus does not answer: when a read of the
+    subscriptions ``stats()`` failed before any of them delivered anything (they retry
+    for ever, quietly at the default log level, and would look like an empty bus).
+    Runs until cancelled."""
+    while True:
+        await asyncio.sleep(UNREACHABLE_CHECK)
+        counts = stats()
+        if any(s.delivered for s in counts):
+            return  # it answers
+        failures = sum(s.transport_errors for s in counts)
+        if failures:
+            say(
+                f"kvbus {command}: cannot read {redact_url(url)} ({failures} failed tries): "
+                "is the server running (NATS with JetStream: nats-server -js) and the URL "
+                "right? Still trying; -v shows each error, Ctrl-C stops"
+            )
+            return
+
+
 async def _tail(args: argparse.Namespace) -> int:
     cursor_file = None
     cursor: Any = "latest" if args.latest else None
     if args.cursor_file:
         cursor_file = CursorFile(Path(args.cursor_file), args.cursor_interval)
         cursor = cursor_file.load() or cursor
+    url, origin = resolve_command_url(args.url)
+    try:
+        stream = resolve_stream(args.stream)
+    except ValueError as error:
+        raise SystemExit(f"kvbus tail: {error}") from None
+    say(f"kvbus tail: reading stream {stream} from {describe_bus(url, origin)}")
     out = sys.stdout.buffer
     async with subscribe(
-        args.stream, args.url, args.source or None, cursor, follow=not args.no_follow
+        stream, url, args.source or None, cursor, follow=not args.no_follow
     ) as sub:
         saving = None
         if cursor_file is not None:
             saving = asyncio.create_task(cursor_file.keep_saving(lambda: sub.cursor))
+        watching = asyncio.create_task(say_if_unreachable("tail", url, lambda: [sub.stats]))
         try:
             async for item in sub:
                 # JSON escapes C0 controls only: a name from the network must not reach
@@ -174,6 +221,7 @@ async def _tail(args: argparse.Namespace) -> int:
                 out.write(terminal_safe_json(as_json(item)) + b"\n")
                 out.flush()
         finally:
+            watching.cancel()
             if cursor_file is not None and saving is not None:
                 saving.cancel()
                 cursor_file.save(sub.cursor)  # before the close, which may take a while
@@ -256,7 +304,9 @@ async def _bridge(args: argparse.Namespace) -> int:
 
         port = serve_http(args.metrics_port, args.metrics_host)
         print(f"kvbus bridge: metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
-    await run_bridges(endpoints, replays, sources, args.url, args.stream)
+    url, origin = resolve_command_url(args.url)
+    say(f"kvbus bridge: forwarding {len(endpoints)} vLLM publishers to {describe_bus(url, origin)}")
+    await run_bridges(endpoints, replays, sources, url, args.stream)
     return 0
 
 
@@ -276,9 +326,19 @@ def _positive(convert: Callable[[str], float]) -> Callable[[str], float]:
 async def _compact(args: argparse.Namespace) -> int:
     from kvbus.compact import compact
 
+    url, origin = resolve_command_url(args.url)
+    try:
+        stream = resolve_stream(args.stream)
+    except ValueError as error:
+        raise SystemExit(f"kvbus compact: {error}") from None
+    what = "once" if args.once else f"every {args.interval:g} s"
+    say(
+        f"kvbus compact: folding stream {stream} of {describe_bus(url, origin)}, "
+        f"snapshots stored {what}"
+    )
     return await compact(
-        args.url,
-        args.stream,
+        url,
+        stream,
         args.interval,
         follow=not args.once,
         max_copies=args.max_copies,
@@ -298,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     tail = commands.add_parser("tail", help="print a stream as JSON lines")
-    tail.add_argument("--url", help="transport URL (default $KVBUS_URL, else memory://)")
+    tail.add_argument("--url", help=URL_HELP)
     tail.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
     tail.add_argument("--source", action="append", help="only this source (repeatable)")
     tail.add_argument("--latest", action="store_true", help="start at the next message")
@@ -330,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "--source", action="append", default=[],
         help="kvbus source name per --from (default: HOST:PORT of the endpoint)",
     )  # fmt: skip
-    bridge.add_argument("--to", dest="url", help="transport URL (default $KVBUS_URL)")
+    bridge.add_argument("--to", dest="url", help=URL_HELP)
     bridge.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
     bridge.add_argument(
         "--metrics-port", type=int, help="serve the bus's Prometheus series on this port"
@@ -342,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     compact = commands.add_parser(
         "compact", help="fold the kv stream and store snapshots for late consumers"
     )
-    compact.add_argument("--url", help="transport URL (default $KVBUS_URL, else memory://)")
+    compact.add_argument("--url", help=URL_HELP)
     compact.add_argument("--stream", help="stream name (default $KVBUS_STREAM, else kv)")
     compact.add_argument(
         "--interval", type=_positive(float), default=10.0,

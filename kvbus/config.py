@@ -6,10 +6,16 @@ from __future__ import annotations
 import os
 import re
 import socket
-from typing import Final
+from typing import Final, Literal
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 DEFAULT_URL: Final = "memory://"
+"""The library's bus (`kvbus.Publisher`, `kvbus.subscribe`, ``kvbus demo``): embedded,
+shared by everything in one process."""
+DEFAULT_COMMAND_URL: Final = "nats://127.0.0.1:4222"
+"""The bus of the commands run from a shell that talk to other processes (``kvbus tail``,
+``top``, ``compact``, ``bridge``, ``router``): a local NATS server (with JetStream), as
+the README starts it. An embedded bus would always be empty there."""
 DEFAULT_STREAM: Final = "kv"
 _STREAM_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _PASSWORD_OPTION = re.compile(r"((?:^|&)[^=&]*password=)([^&]*)")
@@ -18,6 +24,32 @@ _PASSWORD_OPTION = re.compile(r"((?:^|&)[^=&]*password=)([^&]*)")
 def resolve_url(url: str | None) -> str:
     """``url``, else ``$KVBUS_URL``, else the in-process ``memory://`` bus."""
     return url or os.environ.get("KVBUS_URL") or DEFAULT_URL
+
+
+URLOrigin = Literal["--url", "KVBUS_URL", "default"]
+
+
+def resolve_command_url(url: str | None) -> tuple[str, URLOrigin]:
+    """The bus of a command run from a shell, and where it came from: ``url`` (its
+    ``--url``), else ``$KVBUS_URL``, else `DEFAULT_COMMAND_URL`."""
+    if url:
+        return url, "--url"
+    from_env = os.environ.get("KVBUS_URL")
+    if from_env:
+        return from_env, "KVBUS_URL"
+    return DEFAULT_COMMAND_URL, "default"
+
+
+def command_url(url: str | None = None) -> str:
+    """`resolve_command_url`'s URL alone (an argparse default, say)."""
+    return resolve_command_url(url)[0]
+
+
+def describe_bus(url: str, origin: URLOrigin) -> str:
+    """``url`` for a startup line, its password redacted, saying where it came from."""
+    if origin == "default":
+        return f"{redact_url(url)} (the default: set --url or KVBUS_URL)"
+    return f"{redact_url(url)} (from {origin})"
 
 
 def resolve_stream(stream: str | None) -> str:

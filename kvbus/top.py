@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
-from kvbus.config import redact_url, resolve_stream, resolve_url
+from kvbus.config import describe_bus, redact_url, resolve_command_url, resolve_stream
 from kvbus.envelope import Kind
 from kvbus.events import (
     MEDIUM_CPU,
@@ -103,7 +103,9 @@ class WorkerView(msgspec.Struct, kw_only=True):
     kv_cache_blocks: int | None
     """The engine's KV cache capacity in blocks (None: not reported)."""
     event_lag_s: float | None
-    """Now minus the engine's timestamp on its newest KV batch (grows while it is idle)."""
+    """Now minus the engine's timestamp on its newest KV batch read from the stream
+    (grows while it is idle); None until one is read. A batch a snapshot delivered
+    (``kvbus compact``) does not count: it was stamped by the compactor."""
     heartbeat_age_s: float | None
     """Now minus the timestamp of its newest load record."""
     drops: int
@@ -271,7 +273,10 @@ class Fleet:
         worker.resyncs += 1
         worker.drops += _lost(item)
 
-    def apply_kv(self, item: Item) -> None:
+    def apply_kv(self, item: Item, from_snapshot: bool = False) -> None:
+        """Apply one item of the kv stream; ``from_snapshot``: a batch a stored
+        snapshot delivered (`SnapshotDeliveries`), which sets the worker's blocks but not
+        its lag: the compactor, not the engine, stamped it."""
         worker = self._worker(item.source)
         if isinstance(item, Resync):
             self._resync(worker, item)
@@ -289,7 +294,8 @@ class Fleet:
             batch: Any = item.packed
             if batch is None:
                 batch = item.body
-            worker.batch_ts = _finite(batch.ts) or worker.batch_ts
+            if not from_snapshot:
+                worker.batch_ts = _finite(batch.ts) or worker.batch_ts
             for event in batch.events:
                 if isinstance(event, BlockStored | PackedBlockStored):
                     worker.count(event.medium, len(event.block_hashes))
@@ -436,6 +442,40 @@ SORTS: Final[dict[str, tuple[Callable[[WorkerView], Any], bool]]] = {
 # --- reading the bus -------------------------------------------------------------------
 
 
+class SnapshotDeliveries:
+    """Which kv messages of a ``snapshot=True`` subscription stored snapshots delivered.
+
+    Such a subscription delivers the snapshots it starts from before anything else
+    (``stats.snapshots`` of them by the time its first item is out), and a snapshot
+    that stands in for a gap right after its source's ``Resync`` with nothing lost
+    (reason ``gap`` or ``joined``: every other such Resync declares seqs lost). O(1)
+    per item; at most one name held per source awaiting its snapshot."""
+
+    _STANDING_IN: Final = (ResyncReason.GAP, ResyncReason.JOINED)
+
+    def __init__(self, stats: SubscriptionStats) -> None:
+        self._stats = stats
+        self._leading: int | None = None
+        self._standing_in: set[str] = set()
+
+    def came_from_snapshot(self, item: Item) -> bool:
+        if self._leading is None:
+            self._leading = self._stats.snapshots
+        if isinstance(item, Resync):
+            if item.lost is None and item.reason in self._STANDING_IN:
+                self._standing_in.add(item.source)
+            return False
+        if item.kind != Kind.KV:
+            return False
+        if self._leading > 0:
+            self._leading -= 1
+            return True
+        if item.source in self._standing_in:
+            self._standing_in.discard(item.source)
+            return True
+        return False
+
+
 class TopOptions(msgspec.Struct, kw_only=True):
     url: str
     kv_stream: str = "kv"
@@ -487,10 +527,14 @@ class Watcher:
         apply = self.fleet.apply_kv if which == "kv" else self.fleet.apply_metrics
         sub = subscribe(stream, self.options.url, cursor=cursor, **options)
         self.stats[which].append(sub.stats)
+        snapshots = SnapshotDeliveries(sub.stats) if options.get("snapshot") else None
         async with sub:
             async for item in sub:
                 try:
-                    apply(item)
+                    if snapshots is not None:
+                        self.fleet.apply_kv(item, snapshots.came_from_snapshot(item))
+                    else:
+                        apply(item)
                 except Exception as error:  # one bad item must not stop the view
                     self.fleet.bad_items += 1
                     source = shown(item.source)
@@ -601,7 +645,9 @@ def render(report: TopReport) -> RenderableType:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", help="transport URL (default $KVBUS_URL, else memory://)")
+    from kvbus.cli import URL_HELP
+
+    parser.add_argument("--url", help=URL_HELP)
     parser.add_argument(
         "--kv-stream", default=os.environ.get("KVBUS_STREAM", "kv"),
         help="KV events (default $KVBUS_STREAM, else kv)",
@@ -653,9 +699,10 @@ async def run(args: argparse.Namespace) -> int:
     if args.schema:
         sys.stdout.buffer.write(_json.encode(msgspec.json.schema(TopReport)) + b"\n")
         return 0
+    url, origin = resolve_command_url(args.url)
     try:
         options = TopOptions(
-            url=resolve_url(args.url),
+            url=url,
             kv_stream=resolve_stream(args.kv_stream),
             metrics_stream=resolve_stream(args.metrics_stream),
             window=args.window,
@@ -664,12 +711,24 @@ async def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"kvbus top: {error}") from None
     args.interval = max(0.05, args.interval)
+    from kvbus.cli import say, say_if_unreachable
+
+    say(
+        f"kvbus top: reading streams {options.kv_stream} and {options.metrics_stream} "
+        f"from {describe_bus(url, origin)}"
+    )
     watcher = Watcher(options)
-    if args.once:
-        return await _once(watcher, args)
-    if args.json:
-        return await _json_lines(watcher, args)
-    return await _live(watcher, args)
+    watching = asyncio.create_task(
+        say_if_unreachable("top", url, lambda: watcher.stats["kv"] + watcher.stats["metrics"])
+    )
+    try:
+        if args.once:
+            return await _once(watcher, args)
+        if args.json:
+            return await _json_lines(watcher, args)
+        return await _live(watcher, args)
+    finally:
+        watching.cancel()
 
 
 async def _once(watcher: Watcher, args: argparse.Namespace) -> int:

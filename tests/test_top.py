@@ -388,10 +388,10 @@ def test_an_item_the_view_fails_on_is_counted_and_the_rest_shown(
     traffic.close()
     apply_kv = Fleet.apply_kv
 
-    def fails_on_b(fleet: Fleet, item: Message | Resync) -> None:
+    def fails_on_b(fleet: Fleet, item: Message | Resync, from_snapshot: bool = False) -> None:
         if item.source == B:
             raise RuntimeError("a bug")
-        apply_kv(fleet, item)
+        apply_kv(fleet, item, from_snapshot)
 
     monkeypatch.setattr(Fleet, "apply_kv", fails_on_b)
     assert main(["top", "--url", memory_url, "--once", "--json", "--settle", "0"]) == 0
