@@ -8,6 +8,7 @@ from collections.abc import Callable
 import tenacity
 
 from kvbus.config import redact_text
+from kvbus.logs import LimitedLog
 from kvbus.shutdown import raise_if_cancelling
 
 
@@ -38,6 +39,16 @@ def retry_forever(
     )
 
 
+_limited_logs: dict[str, LimitedLog] = {}
+"""One rate limit per logger: a backend that is down fails every retry (about 20 a
+second against a refusing Redis), and the log should say so once a second, not 20 times."""
+
+
 def log_failure(logger: logging.Logger, what: str, error: BaseException | None, url: str) -> None:
-    """The warning `retry_forever` logs for each failed attempt."""
-    logger.warning("kvbus: %s failed (%s); retrying", what, redact_text(repr(error), [url]))
+    """The warning `retry_forever` logs for a failed attempt: at most one a second for
+    each ``what``, saying how many more failed in between."""
+    limited = _limited_logs.get(logger.name)
+    if limited is None:
+        limited = _limited_logs.setdefault(logger.name, LimitedLog(logger))
+    shown_error = redact_text(repr(error), [url])
+    limited.warning(what, "kvbus: %s failed (%s); retrying", what, shown_error)

@@ -457,3 +457,20 @@ def test_a_limited_exception_line_carries_its_traceback_once_a_second(
     assert len(caplog.records) == 1
     assert caplog.records[0].exc_info is not None
     assert "bad item" in caplog.text
+
+
+def test_a_backend_that_keeps_failing_is_logged_once_a_second(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every retry against a refusing Redis logged a warning (about 20 a second)."""
+    from kvbus.retry import log_failure
+
+    logger = logging.getLogger("kvbus.test.retry")
+    with caplog.at_level(logging.WARNING, logger="kvbus.test.retry"):
+        for _ in range(200):
+            error = ConnectionError("refused by redis://:hunter2@127.0.0.1:1")
+            log_failure(
+                logger, "reading redis://127.0.0.1:1", error, "redis://:hunter2@127.0.0.1:1"
+            )
+    assert len(caplog.records) == 1
+    assert "hunter2" not in caplog.text and "refused" in caplog.text
