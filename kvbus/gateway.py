@@ -44,6 +44,19 @@ times out (``--worker-timeout`` from a connection of its own to its first byte) 
 answers something that is not HTTP is marked down and the request goes to another. Each
 limit, when hit, is counted in ``/metrics``.
 
+The bus is not in the request path. When no load record has come on the metrics stream
+for ``--stale-after`` seconds (the bus is down, or no engine publishes on it), the
+router goes on routing from what it knew (its index, each worker's last load), then by
+each worker's load and liveness read from its own endpoint (vLLM's ``/health`` and
+``/metrics``: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``, every ``--engine-poll-interval`` seconds, each poll within
+a fifth of ``--stale-after`` and `ENGINE_METRICS_MAX_BYTES`). ``/health`` says so
+(``"bus": "down", "routing": "degraded (load from engines)"``, still 200) and so does
+``/metrics`` (``kvbus_router_bus_up``, ``kvbus_router_degraded_routes_total``); full
+routing resumes when the bus is back. A worker whose engine publishes under another
+name is routed the same way, and ``/health``, the 503 answer and one log line say which
+names the bus did carry (``no engine publishes as `a`; sources seen: ...``).
+
 SIGTERM (or SIGINT) stops it within about a second whatever the bus is doing: requests in
 flight get ``--drain-timeout`` to finish, then are cut; the bus readers are cancelled
 and not waited for beyond a bound.
@@ -55,12 +68,16 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import enum
+import errno
 import gc
 import json
 import logging
+import math
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -68,13 +85,15 @@ from typing import Any, Final, Literal
 
 import aiohttp
 import prometheus_client as prom
-from aiohttp import web
+from aiohttp import web, web_log
 from yarl import URL
 
 import kvbus
 import kvbus.metrics
+from kvbus.config import redact_url
 from kvbus.envelope import Kind
-from kvbus.logs import LimitedLog, shown
+from kvbus.events import LoadMetrics
+from kvbus.logs import LimitedLog, displayable, shown
 from kvbus.router import CostWeights, Decision, Policy, Router
 from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
@@ -103,7 +122,30 @@ a generation wait for a pooled connection."""
 _STOP_WAIT: Final = 0.5
 """Seconds the bus readers and the routes publisher get to end once cancelled or
 closed at shutdown; a client library that swallows a cancel is not waited for."""
+_PROBES: Final = frozenset({"/health", "/metrics"})
+"""Paths a load balancer or Prometheus asks every few seconds: access-logged at DEBUG."""
 _LOAD_ONLY: Final[tuple[list[int], None]] = ([], None)  # routed by load alone
+ENGINE_METRICS_MAX_BYTES: Final = 4 * 2**20
+"""The most bytes of an engine's ``/metrics`` read (vLLM's is tens of KiB per engine);
+a larger answer is not read further, counted (``kvbus_router_engine_polls_total``
+``outcome="too_large"``) and its load not used."""
+_ENGINE_GAUGES: Final = {
+    b"vllm:num_requests_running": "running",
+    b"vllm:num_requests_waiting": "waiting",
+    b"vllm:kv_cache_usage_perc": "kv_cache_usage",
+}
+_ENGINE_LABEL: Final = re.compile(rb'(?:^|,)engine="(\d{1,6})"')
+_MAX_ENGINE_RANKS: Final = 256
+"""Engines (data-parallel ranks) of one worker taken from its endpoint at most."""
+_MAX_REQUESTS_FIGURE: Final = 2**31
+_MAX_OTHER_SOURCES: Final = 64
+"""Sources on the bus that are no configured worker's, remembered (for the message
+that names them) at most; the names come from the network."""
+_SHOWN_SOURCES: Final = 8
+"""Of those, named in a message at most."""
+_SHOWN_ERROR: Final = 240
+"""Characters of an error's text in a log line or /health at most (a tokenizer's load
+error can run to paragraphs)."""
 
 
 def error_body(
@@ -213,6 +255,23 @@ class Metrics:
         self.body_bytes = gauge(
             "held_body_bytes", "Bytes of request bodies held now (--max-held-body-bytes)"
         )
+        self.bus_up = gauge(
+            "bus_up",
+            "1 while load records arrive on the metrics stream; 0: the bus is down (or no "
+            "engine publishes), routing degraded to the engines' own /metrics",
+        )
+        self.degraded_routes = counter(
+            "degraded_routes",
+            "Requests routed while the bus was down, or to a worker on load read from its "
+            "own endpoint",
+            (),
+        )
+        self.engine_polls = counter(
+            "engine_polls",
+            "Loads read from the engines' own /health and /metrics, by outcome: ok, failed, "
+            "too_large (ENGINE_METRICS_MAX_BYTES), unreadable",
+            ("outcome",),
+        )
         self.bad_items = counter(
             "bad_stream_items", "Bus items the router could not apply (logged, skipped)", ()
         )
@@ -230,8 +289,13 @@ class Metrics:
             _ERROR_BUCKETS,
         )
         self.predictions = counter(
-            "predictions", "Predictions checked against usage, by outcome", (*per_worker, "outcome")
+            "predictions",
+            "Predictions checked against usage, by outcome: exact, over, under; unreported: "
+            "the usage had no cached_tokens (vLLM runs without --enable-prompt-tokens-details)",
+            (*per_worker, "outcome"),
         )
+        self._unreported_said: set[str] = set()
+        """Workers (configured names) already said to report no cached tokens."""
         self.decision = histogram(
             "decision_seconds",
             "Tokenizing and choosing a worker",
@@ -253,8 +317,21 @@ class Metrics:
             "peer_requests", "Other replicas' requests in flight, counted here (--routes-stream)"
         )
 
-    def observe_prediction(self, decision: Decision, reported: int) -> None:
+    def observe_prediction(self, decision: Decision, reported: int | Unreported) -> None:
         labels = (decision.worker, decision.policy.value)
+        if reported is UNREPORTED:
+            # Not a miss: vLLM leaves cached_tokens out unless asked to count them.
+            # Counted as "over" it would make every prediction look wrong.
+            self.predictions.labels(*labels, "unreported").inc()
+            worker = _RANK.sub("", decision.worker)
+            if worker not in self._unreported_said:
+                self._unreported_said.add(worker)
+                log.warning(
+                    "worker %s reports no cached tokens: start vLLM with "
+                    "--enable-prompt-tokens-details to measure routing accuracy",
+                    worker,
+                )
+            return
         predicted = decision.predicted_cached_tokens
         self.predicted.labels(*labels).observe(predicted)
         self.reported.labels(*labels).observe(reported)
@@ -337,8 +414,26 @@ class RouterApp:
         connector_stream: str | None = None,
         routes_stream: str | None = None,
         replica: str | None = None,
+        engine_poll_interval: float = 1.0,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
+        self.engine_poll_interval = engine_poll_interval
+        """Seconds between reads of the load of workers the bus tells nothing of lately
+        from their own endpoints (each read within a fifth of ``stale_after``)."""
+        self._started = self._bus_heard = time.monotonic()
+        """When the latest item of the metrics stream arrived (or the start)."""
+        self._bus_was_up = True
+        self._heard_names: set[str] = set()
+        """Configured workers some item on the bus came from."""
+        self._other_sources: dict[str, None] = {}
+        """Sources on the bus of no configured worker (`_MAX_OTHER_SOURCES` at most)."""
+        self._load_sources: dict[str, set[str]] = {}
+        """Per configured worker: its sources that sent load (bus or endpoint)."""
+        self._polls: dict[str, asyncio.Task[None]] = {}
+        """Reads of a worker's own endpoint in flight."""
+        self._told: set[str] = set()
+        self.problems: list[str] = []
+        """Mistakes in the set-up the router can see (a worker no engine publishes as)."""
         self.routes_stream = routes_stream
         """Where replicas behind one address share their requests in flight."""
         self.replica = replica
@@ -347,6 +442,9 @@ class RouterApp:
         self.url = url
         self.tokenizer_path = tokenizer
         self.tokenizer: Tokenizer | None = None
+        self.tokenizer_error: str | None = None
+        """Why the tokenizer did not load, and what to do (/health): requests are then
+        routed by load alone."""
         self.kv_stream = kv_stream
         self.metrics_stream = metrics_stream
         self.down_for = down_for
@@ -408,16 +506,18 @@ class RouterApp:
         # (--worker-connections for generations, _QUICK_CONNECTIONS for model lists), so
         # no request ever waits in it: waiting is done, timed and counted apart
         # (--pool-timeout), never as the worker's own time.
+        self._started = self._bus_heard = time.monotonic()  # the bus gets --stale-after
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             connector=aiohttp.TCPConnector(
-                limit=0, limit_per_host=self.worker_connections + _QUICK_CONNECTIONS
-            ),
+                limit=0, limit_per_host=self.worker_connections + _QUICK_CONNECTIONS + 1
+            ),  # + 1: a load read from its endpoint (`_poll_engine`)
         )
         self._tasks = [
             asyncio.create_task(self._follow_kv()),
             asyncio.create_task(self._follow_metrics()),
             asyncio.create_task(self._discover()),
+            asyncio.create_task(self._watch()),
         ]
         if self.connector_metrics is not None:
             self._tasks.append(asyncio.create_task(self._follow_connector()))
@@ -431,7 +531,7 @@ class RouterApp:
         for task in self._tasks:
             task.add_done_callback(_report_failure)
         yield
-        for task in self._tasks:
+        for task in [*self._tasks, *self._polls.values()]:
             task.cancel()
         # Bounded: with the bus down, a client library may swallow a cancel or take
         # its own time to give up; shutdown does not wait on it (the process is ending).
@@ -448,12 +548,20 @@ class RouterApp:
 
     @property
     def ready(self) -> bool:
+        """Some worker may get traffic and the tokenizer is loaded, and the bus's history
+        is read (or the bus is down: routing degraded, not stopped)."""
         return (
-            self.kv_replayed
-            and self.load_read
-            and self.tokenizer is not None
+            ((self.kv_replayed and self.load_read) or not self.bus_up)
+            and (self.tokenizer is not None or self.tokenizer_error is not None)
             and bool(self.router.eligible())
         )
+
+    @property
+    def bus_up(self) -> bool:
+        """Whether the metrics stream delivered anything in the last ``stale_after``
+        seconds: every engine's stat logger sends a record every 2 s, so silence means
+        the bus is down (or no engine publishes on it)."""
+        return time.monotonic() - self._bus_heard < self.router.stale_after
 
     async def _follow_kv(self) -> None:
         """The kv stream's history (until it ends, then ready), then its live tail."""
@@ -490,12 +598,29 @@ class RouterApp:
 
         def apply_aged(item: Message | Resync) -> None:
             age = time.time() - item.ts if isinstance(item, Message) else 0.0
-            self.router.apply_metrics(item, age)
+            self._apply_load(item, age)
 
         cursor = kvbus.Cursor(position)
-        cursor = await self._read(self.metrics_stream, cursor, False, apply_aged, 0)
+        heard = self._heard_on_bus
+        cursor = await self._read(self.metrics_stream, cursor, False, apply_aged, 0, known=heard)
         self.load_read = True
-        await self._read(self.metrics_stream, cursor, True, self.router.apply_metrics, 0)
+        await self._read(self.metrics_stream, cursor, True, self._apply_load, 0, known=heard)
+
+    def _apply_load(self, item: Message | Resync, age: float = 0.0) -> None:
+        if isinstance(item, Message) and isinstance(item.body, LoadMetrics):
+            self._add_load_source(item.source)
+        self.router.apply_metrics(item, age)
+
+    def _add_load_source(self, source: str) -> None:
+        sources = self._load_sources.setdefault(_RANK.sub("", source), set())
+        if len(sources) < _MAX_ENGINE_RANKS:
+            sources.add(source)
+
+    def _heard_on_bus(self, source: str) -> bool:
+        """An item of the metrics stream arrived: the bus is up. Whether it is a
+        configured worker's."""
+        self._bus_heard = time.monotonic()
+        return self._known(source)
 
     async def _read(
         self,
@@ -542,16 +667,137 @@ class RouterApp:
                 await asyncio.sleep(1)
 
     def _known(self, source: str) -> bool:
-        return _RANK.sub("", source) in self.workers
+        """Whether ``source`` is a configured worker's (``NAME`` or ``NAME/dpN``);
+        either way it was seen on the bus (`_check_names` names the others)."""
+        name = _RANK.sub("", source)
+        if name in self.workers:
+            self._heard_names.add(name)
+            return True
+        others = self._other_sources
+        if source not in others and len(others) < _MAX_OTHER_SOURCES:
+            others[source] = None
+        return False
+
+    # --- without the bus ---------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Every ``engine_poll_interval``: says when the bus goes down or comes back,
+        reads the load of each worker the bus told nothing of for half ``stale_after``
+        from its own endpoint (before what the router last knew goes stale), and looks
+        for workers no engine publishes as."""
+        while True:
+            self._check_bus()
+            for name in self.workers:
+                if name not in self._polls and self._needs_engine_load(name):
+                    self._polls[name] = asyncio.create_task(self._poll_engine(name))
+            self._check_names()
+            await asyncio.sleep(self.engine_poll_interval)
+
+    def _check_bus(self) -> None:
+        up = self.bus_up
+        self.metrics.bus_up.set(int(up))
+        if up == self._bus_was_up:
+            return
+        self._bus_was_up = up
+        if up:
+            log.info("the bus is back: routing on its load records and index again")
+        else:
+            log.warning(
+                "no load record on the metrics stream for %ss: the bus is down (or no engine "
+                "publishes); routing on what the router knew and the engines' own /metrics",
+                self.router.stale_after,
+            )
+
+    def _needs_engine_load(self, name: str) -> bool:
+        """Whether some engine of worker ``name`` has sent no load record on the bus
+        for half ``stale_after`` (or never did)."""
+        sources = self._load_sources.get(name)
+        if not sources:
+            return True
+        threshold = self.router.stale_after / 2
+        return any(self.router.load_age(s) > threshold for s in sources)
+
+    async def _poll_engine(self, name: str) -> None:
+        """Worker ``name``'s load from its own endpoint: ``/health`` (200: its engine
+        lives), then ``/metrics``, within a fifth of ``stale_after``; given to the
+        router for each of its engines whose bus record is old."""
+        assert self.session is not None
+        base = self.workers[name]
+        outcome = "failed"
+        try:
+            async with asyncio.timeout(self.router.stale_after / 5):
+                async with self.session.get(f"{base}/health") as response:
+                    if response.status != 200:
+                        raise ValueError(f"/health answered {response.status}")
+                async with self.session.get(
+                    f"{base}/metrics", headers={"Accept-Encoding": "identity"}
+                ) as response:
+                    if response.status != 200:
+                        raise ValueError(f"/metrics answered {response.status}")
+                    text = await _read_bounded(response, ENGINE_METRICS_MAX_BYTES)
+            loads = engine_loads(text, time.time())
+            outcome = "ok" if loads else "unreadable"
+        except _TooLarge as error:
+            outcome = "too_large"
+            _limited_log.warning(
+                "engine metrics", "the /metrics of worker %s is refused: %s", name, error
+            )
+            return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            log.debug("could not read the load of worker %s: %r", name, error)
+            return
+        finally:
+            self.metrics.engine_polls.labels(outcome).inc()
+            self._polls.pop(name, None)
+        threshold = self.router.stale_after / 2
+        for engine, load in loads.items():
+            # A worker whose engine publishes as bare NAME (no rank) keeps that name.
+            bare = engine == 0 and self.router.load_age(name) < math.inf
+            source = name if bare else f"{name}/dp{engine}"
+            if self.router.load_age(source) > threshold:
+                self._add_load_source(source)
+                self.router.apply_engine_load(source, load)
+
+    def _check_names(self) -> None:
+        """Once the bus has been up for ``stale_after``: a message for each configured
+        worker no item on the bus came from (logged once), naming what did come."""
+        if not self.bus_up or not self.load_read:
+            return
+        if time.monotonic() - self._started < self.router.stale_after:
+            return
+        unseen = [name for name in self.workers if name not in self._heard_names]
+        self.problems = [self._unseen(name) for name in unseen]
+        for name, message in zip(unseen, self.problems, strict=True):
+            if name not in self._told:
+                self._told.add(name)
+                log.warning("%s", message)  # its names already made displayable
+
+    def _unseen(self, name: str) -> str:
+        shown_name = displayable(name)
+        others = sorted(self._other_sources)
+        if not others:
+            return (
+                f"no engine publishes as `{shown_name}`; sources seen: none (set "
+                f"KVBUS_SOURCE={shown_name} and KVBUS_URL to this router's --url on that engine)"
+            )
+        seen = ", ".join(f"`{displayable(s)}`" for s in others[:_SHOWN_SOURCES])
+        if len(others) > _SHOWN_SOURCES:
+            seen += ", ..."
+        other = displayable(_RANK.sub("", others[0]))
+        return (
+            f"no engine publishes as `{shown_name}`; sources seen: {seen} (set "
+            f"KVBUS_SOURCE={shown_name} on that engine, or --worker {other}=URL)"
+        )
 
     async def _discover(self) -> None:
         """Served model names (and the tokenizer, unless given) from the first worker
         that answers."""
         assert self.session is not None
         if self.tokenizer_path:
-            self.tokenizer = await asyncio.to_thread(Tokenizer, self.tokenizer_path)
+            await self._load_tokenizer(self.tokenizer_path, "--tokenizer")
         while True:
             for base in self.workers.values():
+                root = None
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     async with (
                         self._quick_slots,
@@ -560,13 +806,33 @@ class RouterApp:
                         cards = (await response.json())["data"]
                     self.models = {c["id"] for c in cards}
                     self.loras = {c["id"] for c in cards if c.get("parent")}
-                    if self.tokenizer is None:
-                        root = next(c.get("root") or c["id"] for c in cards if not c.get("parent"))
-                        self.tokenizer = await asyncio.to_thread(Tokenizer, root)
-                        log.info("tokenizer from %s", root)
-                    log.info("models %s", sorted(self.models))
-                    return
+                    base_models = (c.get("root") or c["id"] for c in cards if not c.get("parent"))
+                    root = next(base_models, None)
+                if root is None:
+                    continue
+                log.info("models %s", sorted(self.models))
+                if self.tokenizer is None and self.tokenizer_error is None:
+                    await self._load_tokenizer(root, "model")
+                return
             await asyncio.sleep(1)
+
+    async def _load_tokenizer(self, path: str, named_by: str) -> None:
+        """The tokenizer at ``path`` (named by ``--tokenizer`` or the served model's
+        card); one that will not load (a model path relative to the engine's directory,
+        missing files) is said once, in the log and in /health, with what to do, and
+        requests are routed by load alone rather than never."""
+        try:
+            self.tokenizer = await asyncio.to_thread(Tokenizer, path)
+        except Exception as error:
+            self.tokenizer_error = (
+                f"could not load the tokenizer for {named_by} {shown(path)} "
+                f"({displayable(' '.join(str(error).split()), _SHOWN_ERROR)}): pass "
+                "--tokenizer PATH_OR_NAME (the served model's tokenizer directory); "
+                "routing by load alone until then"
+            )
+            log.error("%s", self.tokenizer_error)
+            return
+        log.info("tokenizer from %s", shown(path))
 
     # --- handlers --------------------------------------------------------------------
 
@@ -659,7 +925,10 @@ class RouterApp:
                 self.metrics.no_worker.inc()
                 if busy:
                     return _busy("Every vLLM server that is up has all its connections busy.")
-                return _busy("No vLLM server is available: every worker is down or silent.")
+                why = "".join(f" {problem}." for problem in self.problems)
+                return _busy(f"No vLLM server is available: every worker is down or silent.{why}")
+            if not tried and (decision.engine_load or not self.bus_up):
+                self.metrics.degraded_routes.inc()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             try:
@@ -671,11 +940,23 @@ class RouterApp:
             except _Unreachable as error:
                 tried.add(decision.worker)
                 self.router.mark_down(decision.worker, self.down_for)
-                log.warning(
-                    "worker %s failed (%r); down for %ss", decision.worker, error, self.down_for
-                )
+                self._say_unreachable(decision.worker, str(error))
             finally:
                 self.router.finished(decision)
+
+    def _say_unreachable(self, worker: str, why: str) -> None:
+        """One line (at most one a second per configured worker) for a worker that
+        failed a request, which went to another: marked down for ``down_for``. Named
+        as configured (``--worker a=URL``): its ranks share the address."""
+        name = _RANK.sub("", worker)
+        _limited_log.warning(
+            f"unreachable {name}",  # configured names only: a bounded set of kinds
+            "worker %s (%s) unreachable: %s; retrying it in %gs",
+            name,
+            redact_url(self.workers[name]),
+            why,
+            self.down_for,
+        )
 
     def _tokens(
         self, raw: bytes | bytearray, tokenize: Tokenize
@@ -724,7 +1005,7 @@ class RouterApp:
                     )
             except (aiohttp.ClientError, TimeoutError) as error:
                 # Refused, dropped, silent or not HTTP, before anything reached the client.
-                raise _Unreachable(repr(error)) from error
+                raise _Unreachable(_failure_text(error, self.worker_timeout)) from error
             async with upstream:
                 self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
                 content_type = upstream.headers.get("content-type", "")
@@ -737,7 +1018,7 @@ class RouterApp:
                     try:
                         answer = await upstream.read()
                     except aiohttp.ClientError as error:
-                        raise _Unreachable(repr(error)) from error
+                        raise _Unreachable(_failure_text(error, self.worker_timeout)) from error
                     body.release()
                     self.router.started(decision)
                     response = await self._reply(request, upstream, decision, answer)
@@ -827,8 +1108,11 @@ class RouterApp:
                 chunk = await upstream.content.readany()
             except aiohttp.ClientError as error:
                 # The client has part of a stream: cut it off, as the worker did.
-                log.warning("worker %s broke off a stream: %r", decision.worker, error)
                 self.router.mark_down(decision.worker, self.down_for)
+                self._say_unreachable(
+                    decision.worker,
+                    f"broke off a stream ({_failure_text(error, self.worker_timeout)})",
+                )
                 if request.transport is not None:
                     request.transport.close()
                 return response, bytearray()
@@ -863,6 +1147,7 @@ class RouterApp:
         self.metrics.eligible.set(len(self.router.eligible()))
         self.metrics.blocks.set(len(self.router.index))
         self.metrics.ready.set(int(self.ready))
+        self.metrics.bus_up.set(int(self.bus_up))
         self.metrics.unchained.set(self.router.index.unchained)
         self.metrics.peer_requests.set(self.router.peer_requests)
         return web.Response(
@@ -891,12 +1176,22 @@ class RouterApp:
                 transport.close()
 
     async def health(self, request: web.Request) -> web.Response:
+        """Ready or not (200 or 503), and why: what is read, who may get traffic, the
+        bus's state and routing's (``degraded`` while some worker's load comes from its
+        own endpoint), and the set-up mistakes seen (`problems`)."""
+        engine_load = self.router.engine_loaded()
+        bus_up = self.bus_up
         state = {
             "ready": self.ready,
             "kv_history": self.kv_replayed,
             "load": self.load_read,
             "tokenizer": self.tokenizer is not None,
+            "tokenizer_error": self.tokenizer_error,
             "eligible": self.router.eligible(),
+            "bus": "up" if bus_up else "down",
+            "routing": "full" if bus_up and not engine_load else "degraded (load from engines)",
+            "engine_load": engine_load,
+            "problems": self.problems,
         }
         return web.json_response(state, status=200 if state["ready"] else 503)
 
@@ -909,7 +1204,36 @@ def _report_failure(task: asyncio.Task[None]) -> None:
 
 
 class _Unreachable(Exception):
-    """The worker refused or dropped the connection before answering (safe to retry)."""
+    """The worker refused or dropped the connection before answering (safe to retry);
+    its text says how, in a few words (`_failure_text`)."""
+
+
+_CONNECTION_ERRORS: Final = {
+    errno.ECONNREFUSED: "connection refused",
+    errno.ECONNRESET: "connection reset",
+    errno.EHOSTUNREACH: "host unreachable",
+    errno.ENETUNREACH: "network unreachable",
+}
+
+
+def _failure_text(error: BaseException, worker_timeout: float) -> str:
+    """How a request to a worker failed, in a few words for a log line ("connection
+    refused"), not the client library's repr."""
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        return "no connection in time"
+    if isinstance(error, TimeoutError):  # --worker-timeout (aiohttp's read timeouts too)
+        return f"no answer within {worker_timeout:g}s"
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return "it closed the connection without answering"
+    if isinstance(error, aiohttp.ClientResponseError):  # it answered, but not in HTTP
+        return f"not an HTTP answer ({displayable(error.message, _SHOWN_ERROR)})"
+    cause = error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
+    if isinstance(cause, socket.gaierror):
+        return f"host not found ({cause.strerror})"
+    if isinstance(cause, OSError) and cause.errno in _CONNECTION_ERRORS:
+        return _CONNECTION_ERRORS[cause.errno]
+    text = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(error)
+    return displayable(" ".join(text.split()) or type(error).__name__, _SHOWN_ERROR)
 
 
 class _Busy(Exception):
@@ -917,16 +1241,102 @@ class _Busy(Exception):
     elsewhere; the worker is not at fault)."""
 
 
-def _cached_tokens(body: bytes | bytearray, streamed: bool) -> int | None:
+class Unreported(enum.Enum):
+    """A response's usage without ``prompt_tokens_details.cached_tokens``: vLLM sends
+    ``"prompt_tokens_details": null`` (or, in a stream, leaves it out) unless it runs
+    with ``--enable-prompt-tokens-details``."""
+
+    UNREPORTED = "unreported"
+
+
+UNREPORTED: Final = Unreported.UNREPORTED
+
+
+def _cached_tokens(body: bytes | bytearray, streamed: bool) -> int | Unreported | None:
     """``usage.prompt_tokens_details.cached_tokens`` of a response (a stream's usage is
-    in its last data event, sent with ``stream_options.include_usage``); None: no usage."""
+    in its last data event, sent with ``stream_options.include_usage``); `UNREPORTED`:
+    usage without it; None: no usage."""
     if streamed:
         events = [line[6:] for line in body.splitlines() if line.startswith(b"data: {")]
         body = events[-1] if events else b""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
         usage = json.loads(body)["usage"]
-        return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        details = usage.get("prompt_tokens_details")
+        cached = None if details is None else details.get("cached_tokens")
+        return UNREPORTED if cached is None else int(cached)
     return None
+
+
+def engine_loads(text: bytes, now: float) -> dict[int, LoadMetrics]:
+    """Each engine's load in a vLLM ``/metrics`` answer (Prometheus text), by its
+    ``engine`` label (the data-parallel rank; 0 when unlabelled), stamped ``now``: the
+    sum of each gauge's series per engine. An engine without both request gauges, or
+    with a figure that is not a finite number, is left out; counts are brought into
+    0..2^31 (the router clamps the usage). One pass over the text per gauge, O(size)."""
+    figures: dict[int, dict[str, float]] = {}
+    text = b"\n" + text
+    for name, field in _ENGINE_GAUGES.items():
+        needle = b"\n" + name
+        start = 0
+        while (found := text.find(needle, start)) >= 0:
+            end = text.find(b"\n", found + 1)
+            end = len(text) if end < 0 else end
+            start = end
+            rest = text[found + len(needle) : end]
+            if rest[:1] == b"{":
+                labels, brace, rest = rest[1:].rpartition(b"}")
+                if not brace:
+                    continue
+            elif rest[:1] == b" ":
+                labels = b""
+            else:
+                continue  # another series whose name starts alike
+            parts = rest.split()
+            with contextlib.suppress(ValueError):
+                value = float(parts[0]) if parts else math.nan
+                if not math.isfinite(value):
+                    continue
+                match = _ENGINE_LABEL.search(labels)
+                engine = int(match.group(1)) if match else 0
+                if engine not in figures and len(figures) >= _MAX_ENGINE_RANKS:
+                    continue
+                engine_figures = figures.setdefault(engine, {})
+                engine_figures[field] = engine_figures.get(field, 0.0) + value
+    return {
+        engine: LoadMetrics(
+            ts=now,
+            engine_index=engine,
+            running=_request_count(found["running"]),
+            waiting=_request_count(found["waiting"]),
+            kv_cache_usage=found.get("kv_cache_usage", 0.0),
+        )
+        for engine, found in figures.items()
+        if "running" in found and "waiting" in found
+    }
+
+
+def _request_count(value: float) -> int:
+    return int(min(max(value, 0.0), _MAX_REQUESTS_FIGURE))
+
+
+class _TooLarge(Exception):
+    """An answer over the bytes it may have."""
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """``response``'s body, refused (`_TooLarge`) past ``limit`` bytes before more is
+    read; one the server compressed anyway (asked not to) is refused too, as what it
+    would decompress to is unbounded by what arrives."""
+    if response.headers.get("Content-Encoding", "identity").lower() != "identity":
+        raise _TooLarge("compressed")
+    if (response.content_length or 0) > limit:
+        raise _TooLarge(f"{response.content_length} bytes")
+    data = bytearray()
+    async for chunk in response.content.iter_any():
+        data += chunk
+        if len(data) > limit:
+            raise _TooLarge(f"over {limit} bytes")
+    return bytes(data)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -971,7 +1381,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="cost weight: prefill, eviction, waiting, running, kv_usage (see kvbus.router)",
     )
-    parser.add_argument("--stale-after", type=float, default=5.0, help="seconds without metrics")
+    parser.add_argument(
+        "--stale-after",
+        type=float,
+        default=5.0,
+        help="seconds without a worker's load record before it gets no traffic (unless its "
+        "own endpoint answers); as long without any: the bus is down, routing degraded",
+    )
+    parser.add_argument(
+        "--engine-poll-interval",
+        type=float,
+        default=1.0,
+        help="seconds between reads of a worker's own /health and /metrics while the bus "
+        "tells nothing of it (the bus down, or its engine publishing under another name)",
+    )
     parser.add_argument("--block-size", type=int, help="default: from the engines' events")
     parser.add_argument("--seed", type=int, default=0, help="for ties (same inputs, same picks)")
     limits = parser.add_argument_group("limits")
@@ -1061,7 +1484,12 @@ async def start(
     to hold 3,000 sockets.
     """
     app.header_timeout = header_timeout
-    runner = web.AppRunner(app.app(), handler_cancellation=True, shutdown_timeout=drain_timeout)
+    runner = web.AppRunner(
+        app.app(),
+        handler_cancellation=True,
+        shutdown_timeout=drain_timeout,
+        access_log_class=_AccessLog,
+    )
     await runner.setup()
     loop = asyncio.get_running_loop()
     make_protocol = runner.server
@@ -1081,10 +1509,41 @@ async def stop(runner: web.AppRunner, server: asyncio.Server) -> None:
     await runner.cleanup()
 
 
+class _AccessLog(web_log.AccessLogger):
+    """aiohttp's access log (``aiohttp.access``, INFO), but a probe of ``/health`` or
+    ``/metrics`` only at DEBUG: a load balancer asks every few seconds, and its lines
+    would bury the requests' (why the router is not ready is logged on its own)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.path not in _PROBES or request.method != "GET":
+            super().log(request, response, time)
+        elif self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug(
+                '%s "%s %s" %d %.6fs',
+                request.remote,
+                request.method,
+                request.path,
+                response.status,
+                time,
+            )
+
+
+def listening_line(app: RouterApp, server: asyncio.Server) -> str:
+    """What `_serve_forever` says once it accepts connections: where, to which
+    workers, on which bus (its credentials hidden)."""
+    host, port = server.sockets[0].getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    return (
+        f"kvbus router listening on http://{where}:{port} "
+        f"(workers: {', '.join(app.workers)}; bus: {redact_url(app.url)})"
+    )
+
+
 async def _serve_forever(
     app: RouterApp, host: str, port: int, header_timeout: float, drain_timeout: float
 ) -> None:
     runner, server = await start(app, host, port, header_timeout, drain_timeout)
+    log.info("%s", listening_line(app, server))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -1123,6 +1582,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         connector_stream=args.connector_stream,
         routes_stream=args.routes_stream,
         replica=args.replica,
+        engine_poll_interval=args.engine_poll_interval,
     )
 
 

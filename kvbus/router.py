@@ -39,6 +39,12 @@ all miss before the engine's events arrive. A worker stops receiving traffic whe
 metrics are older than ``stale_after`` seconds (the stat logger beats every 2 s), when
 it stops (`SourceStopped`), or for ``seconds`` after `mark_down`.
 
+When the bus tells nothing of a worker (the bus is down, or its engine publishes under
+another name), its load can come from its own endpoint instead: `apply_engine_load`
+takes a record read from the engine's ``/metrics`` as the bus's would be taken, and the
+worker stays eligible while its endpoint answers (`load_age` says whose bus record is
+getting old; `Decision.engine_load` marks decisions made on such a record).
+
 Every `Decision` carries its terms and the runner-up (`Decision.explain`).
 
 Requires numpy (the ``router`` extra): one vectorised pass over every worker keeps a
@@ -141,6 +147,9 @@ class Decision(msgspec.Struct, kw_only=True):
     """This router's number for the request, when it shares its routes (``share``)."""
     peer: str = ""
     """The replica that routed it, for another replica's request; "" for this one's."""
+    engine_load: bool = False
+    """The worker's load came from its own endpoint (`Router.apply_engine_load`), not
+    from the bus: the bus was down or told nothing of it."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""
@@ -213,6 +222,10 @@ class Router:
         self._window_blocks = 0
         self._stored_seen: dict[int, int] = {}
         self._metrics: dict[int, LoadMetrics] = {}
+        self._heard: dict[int, float] = {}
+        """worker -> when (clock) its latest load record on the bus was made"""
+        self._from_engine: set[int] = set()
+        """workers whose latest load record came from their own endpoint"""
         self._down_until: dict[int, float] = {}
         self._queued: dict[int, list[float]] = {}
         """worker -> [requests of this router not streaming yet, their blocks to prefill]"""
@@ -274,7 +287,10 @@ class Router:
             self._load_workers[item.source] = number
             self._grow(number)
             self._metrics[number] = metrics
-            self._fresh[number] = self._clock() + self.stale_after - max(0.0, age)
+            heard = self._clock() - max(0.0, age)
+            self._heard[number] = heard
+            self._from_engine.discard(number)
+            self._fresh[number] = heard + self.stale_after
             if metrics.kv_cache_blocks > 0:
                 self._capacity[number] = metrics.kv_cache_blocks
                 # The index then holds no more of this worker's blocks than its engine can.
@@ -282,6 +298,35 @@ class Router:
             self._refresh(number)
         elif isinstance(item.body, SourceStopped):
             self._stopped(item)
+
+    def apply_engine_load(self, worker: str, metrics: LoadMetrics) -> None:
+        """A load record of ``worker`` read from its own endpoint (its engine's
+        ``/metrics``), for when the bus tells nothing of it: taken as a bus record would
+        be (fresh for ``stale_after`` seconds), its capacity left as the bus last said.
+        The next record on the bus replaces it."""
+        number = self.index.worker_number(worker)
+        self._load_workers[worker] = number
+        self._grow(number)
+        self._metrics[number] = self._checked(worker, metrics)
+        self._from_engine.add(number)
+        self._fresh[number] = self._clock() + self.stale_after
+        self._refresh(number)
+
+    def load_age(self, worker: str) -> float:
+        """Seconds since ``worker``'s latest load record on the bus was made (inf: none
+        ever came), whatever its endpoint said since."""
+        number = self._load_workers.get(worker)
+        heard = None if number is None else self._heard.get(number)
+        return math.inf if heard is None else self._clock() - heard
+
+    def engine_loaded(self) -> list[str]:
+        """Workers that may get traffic now on a load record from their own endpoint."""
+        now = self._clock()
+        return sorted(
+            self.index.worker_name(n)
+            for n in self._from_engine
+            if self._fresh[n] > now and np.isfinite(self._load[n])
+        )
 
     def _checked(self, worker: str, metrics: LoadMetrics) -> LoadMetrics:
         """``metrics`` with the figures the cost reads brought into range: a capacity
@@ -522,6 +567,7 @@ class Router:
             load=float(self._load[number]),
             keys=keys,
             number=number,
+            engine_load=number in self._from_engine,
         )
 
     def started(self, decision: Decision) -> None:

@@ -1093,14 +1093,28 @@ class Subscription:
         self.stats.resyncs += 1
         by_reason = self.stats.resyncs_by_reason
         by_reason[reason.value] = by_reason.get(reason.value, 0) + 1
-        _limited.info(
-            f"resync_{reason.value}",
-            "kvbus: resync %s epoch %s: %s, lost %s",
-            shown(state.name),
-            state.epoch,
-            reason.value,
-            lost,
-        )
+        if reason is ResyncReason.JOINED:
+            # The normal start of a read that does not begin at a source's first
+            # message (a cursor, trimmed history, the metrics stream's recent past):
+            # nothing went missing, so it is no news at INFO.
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "kvbus: %s in %s: joined at seq %d of epoch %s",
+                    shown(state.name),
+                    self.stream,
+                    state.seq + 1,
+                    state.epoch,
+                )
+        else:
+            _limited.info(
+                f"resync_{reason.value}",
+                "kvbus: resync %s in %s epoch %s: %s%s",
+                shown(state.name),
+                self.stream,
+                state.epoch,
+                reason.value,
+                f", seqs {lost[0]}-{lost[1]} lost" if lost else "",
+            )
         self._ready.append(
             (Resync(state.name, state.epoch, reason, lost, previous_epoch), None, None)
         )

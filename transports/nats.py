@@ -42,6 +42,15 @@ forever through nats-py's own reconnection; the server sends a heartbeat to an i
 pull request every 0.5 s, and a consumer silent for two of them (gone with its server)
 is replaced as soon as the stream answers. Positions are ``stream_seq << 16 | index``.
 
+JetStream must be enabled on the server (``nats-server -js``, or a ``jetstream {}``
+block in its config). On a server without it, every JetStream request goes unanswered
+("no responders"); the transport confirms that by asking for the account's JetStream
+info and then says what to do, once per process and server, at ERROR: ``nats://HOST:PORT
+has no JetStream: start nats-server with -js (or enable jetstream in its config)``. An
+append or a following read then waits, asking again every `JETSTREAM_RECHECK` seconds,
+and goes on by itself once JetStream answers; a read that does not follow, a position or
+snapshot request raises `JetStreamUnavailable` with that message.
+
 Clusters: name several servers (``nats://h1:4222,h2:4222,h3:4222?replicas=3``); nats-py
 connects to one, learns the others from the cluster and moves on when its server dies.
 With ``replicas=3`` an append is acknowledged once a majority of the replicas stored it,
@@ -91,6 +100,9 @@ _PULL_BATCH: Final = 1024  # messages one pull request asks for
 _PULL_BYTES: Final = 8 << 20  # bytes one pull request asks for (at least 2 max_payloads)
 _PULL_EXPIRES: Final = 30.0  # seconds the server holds a pull request that found nothing
 _CONSUMER_IDLE: Final = 120.0  # seconds without a pull request before a consumer is removed
+JETSTREAM_RECHECK: Final = 2.0
+"""Seconds between an append's or a following read's asks whether a server found without
+JetStream has it now (restarted with ``-js``): one small request each."""
 
 
 _LIMIT_OPTIONS: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
@@ -103,6 +115,9 @@ _LIMIT_OPTIONS: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
     "storage": ("storage", api.StorageType),
 }
 _OPTION_OF_FIELD: Final = {field: option for option, (field, _) in _LIMIT_OPTIONS.items()}
+_no_jetstream_warned: set[str] = set()
+"""Servers (as URLs show them, credentials hidden) already said to have no JetStream:
+however many transports and retries a process has, it says so once per server."""
 _limits_kept_warned: set[tuple[str, str, str, str]] = set()
 """The limit mismatches already logged: a process that opens many transports says each
 once. Keyed by what the URLs configure, not by anything from the network."""
@@ -136,6 +151,19 @@ def _describe_limits(limits: dict[str, Any]) -> str:
         f"{_OPTION_OF_FIELD.get(field, field)}={getattr(value, 'value', value)}"
         for field, value in sorted(limits.items())
     )
+
+
+class JetStreamUnavailable(ConnectionError):
+    """The NATS server answers, but nothing serves JetStream's API: it runs without
+    ``-js`` (or this account has no JetStream). The message says what to do; retrying
+    helps only once an operator has enabled it."""
+
+
+def _no_responders(error: Exception) -> bool:
+    """A JetStream API request nobody answered (nats-py turns the server's 503 "no
+    responders" status into a bare ServiceUnavailableError; an answer from JetStream
+    itself carries a code)."""
+    return isinstance(error, nats.js.errors.ServiceUnavailableError) and error.code is None
 
 
 def _subject_token(source: str) -> str:
@@ -210,16 +238,26 @@ class NatsTransport(Transport):
         self._reconnects += 1  # reads send a new pull request: the last may be lost
         log.warning("kvbus: nats reconnected")
 
-    async def _stream(self, stream: str) -> str:
+    async def _stream(self, stream: str, *, wait: bool = False) -> str:
         """The JetStream stream's name, created with the URL's limits (an existing one
-        changed to them only with ``update_stream``) once."""
+        changed to them only with ``update_stream``) once. On a server without
+        JetStream: `JetStreamUnavailable`, or with ``wait`` a wait until it has it."""
         name = f"KVBUS_{stream}"
         if stream in self._ready:
             return name
         js = await self._connect()
-        try:
-            await self._check_limits(js, name, (await js.stream_info(name)).config)
-        except nats.js.errors.NotFoundError:
+        while True:
+            try:
+                info = await js.stream_info(name)
+            except nats.js.errors.ServiceUnavailableError as error:
+                await self._without_jetstream(js, error, wait)
+                continue  # JetStream answers now
+            except nats.js.errors.NotFoundError:
+                info = None
+            break
+        if info is not None:
+            await self._check_limits(js, name, info.config)
+        else:
             config = {"storage": api.StorageType.FILE, **self._limits}
             try:
                 await js.add_stream(name=name, subjects=[f"kvbus.{stream}.>"], **config)
@@ -233,6 +271,42 @@ class NatsTransport(Transport):
                 await self._check_limits(js, name, existing)
         self._ready.add(stream)
         return name
+
+    async def _without_jetstream(
+        self, js: JetStreamContext, error: nats.js.errors.ServiceUnavailableError, wait: bool
+    ) -> None:
+        """After ``error`` from a JetStream API request: raise it unless JetStream is
+        missing altogether (`_jetstream_missing`); if it is, say so once per process and
+        raise `JetStreamUnavailable`, or with ``wait`` return once it answers."""
+        if not (_no_responders(error) and await self._jetstream_missing(js)):
+            raise error
+        message = (
+            f"{self._display} has no JetStream: start nats-server with -js "
+            "(or enable jetstream in its config)"
+        )
+        if self._display not in _no_jetstream_warned:
+            _no_jetstream_warned.add(self._display)
+            log.error("kvbus: %s", message)
+        if not wait:
+            raise JetStreamUnavailable(message) from None
+        while True:  # polled: nothing announces that a server has JetStream now
+            await asyncio.sleep(JETSTREAM_RECHECK)
+            if not await self._jetstream_missing(js):
+                break
+        log.warning("kvbus: %s has JetStream now", self._display)
+
+    @staticmethod
+    async def _jetstream_missing(js: JetStreamContext) -> bool:
+        """Whether no JetStream serves this connection's account: nobody answers the
+        account info request either (a JetStream server always answers that one
+        itself, even while a stream has no leader). Other errors are raised."""
+        try:
+            await js.account_info()
+        except nats.js.errors.ServiceUnavailableError as error:
+            if _no_responders(error):
+                return True
+            raise
+        return False
 
     async def _check_limits(
         self, js: JetStreamContext, name: str, existing: api.StreamConfig
@@ -266,7 +340,7 @@ class NatsTransport(Transport):
         )
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:
-        await self._stream(stream)
+        await self._stream(stream, wait=True)
         js = await self._connect()
         assert self._nc is not None
         packs = make_packs(records, self._nc.max_payload - _HEADER_ROOM)
@@ -340,7 +414,7 @@ class NatsTransport(Transport):
     async def read_pages(
         self, stream: str, after: Position | None = None, *, follow: bool = False
     ) -> AsyncIterator[Sequence[Entry]]:
-        name = await self._stream(stream)
+        name = await self._stream(stream, wait=follow)
         js = await self._connect()
         state = (await js.stream_info(name)).state
         end = state.last_seq
@@ -363,6 +437,9 @@ class NatsTransport(Transport):
             return await js.object_store(bucket)
         except nats.js.errors.NotFoundError:
             return await js.create_object_store(bucket)
+        except nats.js.errors.ServiceUnavailableError as error:
+            await self._without_jetstream(js, error, wait=False)
+            raise  # JetStream answered meanwhile: the caller tries again
 
     async def put_snapshot(self, stream: str, name: str, data: bytes) -> None:
         store = await self._snapshot_store(stream)
