@@ -46,6 +46,7 @@ from kvbus.logs import LimitedLog, displayable, terminal_safe_json
 from kvbus.publisher import Publisher
 from kvbus.snapshot import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_COPIES
 from kvbus.subscribe import Cursor, Message, Resync, SubscriptionStats, subscribe
+from kvbus.transports import BackendUnusable
 
 _json = msgspec.json.Encoder()
 _limited = LimitedLog(logging.getLogger("kvbus.cli"))
@@ -473,6 +474,9 @@ def run_command(command: Command, args: argparse.Namespace) -> int:
             status = asyncio.run(termination.cancels(command(args)))
         except KeyboardInterrupt:
             return 130
+        except BackendUnusable as error:  # a set-up mistake: what to do, no traceback
+            print(f"kvbus {args.command}: {error}", file=sys.stderr)
+            return 1
     return TERMINATED if termination.requested else status
 
 

@@ -90,17 +90,19 @@ from yarl import URL
 
 import kvbus
 import kvbus.metrics
-from kvbus.config import redact_url
+from kvbus.config import command_url, redact_url
 from kvbus.envelope import Kind
 from kvbus.events import LoadMetrics
 from kvbus.logs import LimitedLog, displayable, shown
 from kvbus.router import CostWeights, Decision, Policy, Router
 from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
-from kvbus.transports import open_transport
+from kvbus.transports import BackendUnusable, open_transport
 
 log = logging.getLogger("kvbus.router")
 _limited_log = LimitedLog(log)  # one line a second per kind: bus items may come in floods
+BACKEND_RECHECK: Final = 2.0
+"""Seconds between a bus read the backend cannot serve as set up and the next try."""
 _RANK: Final = re.compile(r"/dp(\d+)$")
 _STREAM_TAIL: Final = 8192
 _HOP_BY_HOP: Final = {
@@ -661,6 +663,11 @@ class RouterApp:
                 return sub.cursor
             except asyncio.CancelledError:
                 raise
+            except BackendUnusable:
+                # The transport said once what to change (NATS without JetStream); the
+                # router waits for the operator quietly, routing by the engines' load.
+                cursor = sub.cursor
+                await asyncio.sleep(BACKEND_RECHECK)
             except Exception:
                 log.exception("following %s failed; again in 1 s", stream)
                 cursor = sub.cursor
@@ -1354,7 +1361,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="tokenizer dir (default: the served model's)")
     parser.add_argument(
         "--url",
-        default=os.environ.get("KVBUS_URL", "nats://127.0.0.1:4222"),
+        default=command_url(),
         help="kvbus transport (default $KVBUS_URL, else nats://127.0.0.1:4222)",
     )
     parser.add_argument("--kv-stream", default="kv")

@@ -10,6 +10,7 @@ import tenacity
 from kvbus.config import redact_text
 from kvbus.logs import LimitedLog
 from kvbus.shutdown import raise_if_cancelling
+from kvbus.transports import BackendUnusable
 
 
 def retry_forever(
@@ -33,7 +34,8 @@ def retry_forever(
 
     return tenacity.AsyncRetrying(
         wait=tenacity.wait_random_exponential(multiplier=0.02, max=0.5),
-        retry=tenacity.retry_if_exception_type(Exception),
+        retry=tenacity.retry_if_exception_type(Exception)
+        & tenacity.retry_if_not_exception_type(BackendUnusable),
         before=lambda _state: raise_if_cancelling(),
         before_sleep=before_sleep,
     )

@@ -94,7 +94,7 @@ from kvbus.logs import LimitedLog, shown
 from kvbus.retry import retry_forever
 from kvbus.shutdown import cancel_sticks, close_within
 from kvbus.snapshot import CURSOR_NAME, Snapshot, decode_snapshot
-from kvbus.transports import LATEST, Entry, Position, Transport, open_transport
+from kvbus.transports import LATEST, BackendUnusable, Entry, Position, Transport, open_transport
 
 log = logging.getLogger("kvbus.subscribe")
 _limited = LimitedLog(log)
@@ -560,6 +560,8 @@ class Subscription:
                     pass  # the deadline check above expires the gap
                 continue
             item = self._inbox.popleft()
+            if isinstance(item, BackendUnusable):
+                raise item
             if item is _END:
                 await self._expire_gaps(force=True)
                 self._ended = True
@@ -650,6 +652,15 @@ class Subscription:
             self.stats.transport_errors += 1
 
         retrying = retry_forever(f"reading {redact_url(self.url)}", count, log, self.url)
+        try:
+            await self._read_retrying(retrying, previous)
+        except BackendUnusable as error:  # retrying cannot help: the consumer is told
+            self._inbox.append(error)
+        else:
+            self._inbox.append(_END)
+        self._inbox_filled.set()
+
+    async def _read_retrying(self, retrying: Any, previous: Position | None) -> None:
         async for attempt in retrying:
             with attempt:
                 pages = self._transport.read_pages(self.stream, previous, follow=self._follow)
@@ -667,8 +678,6 @@ class Subscription:
                             # Let the consumer catch up: read ahead at most this much.
                             self._inbox_drained.clear()
                             await self._inbox_drained.wait()
-        self._inbox.append(_END)
-        self._inbox_filled.set()
 
     def _ingest_page(self) -> None:
         """Ingest the next slice of the current page (a slice: so that what waits in

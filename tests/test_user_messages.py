@@ -128,11 +128,6 @@ async def test_a_publisher_waits_for_jetstream_and_goes_on_once_it_is_enabled(
     assert not said(caplog, "ServiceUnavailableError")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs kvbus/subscribe.py to end a read that does not follow on "
-    "JetStreamUnavailable (helper 29B's report); the transport side is done",
-)
 def test_kvbus_tail_without_follow_exits_with_the_message(
     bare_nats: NatsWithoutJetStream,
 ) -> None:

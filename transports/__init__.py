@@ -49,6 +49,13 @@ class Entry(msgspec.Struct, frozen=True, gc=False):
     subscriber rejects an envelope in it that claims another source."""
 
 
+class BackendUnusable(ConnectionError):
+    """The backend answers but cannot serve kvbus as it is set up (NATS without
+    JetStream); the message says what to change. Not retried (`kvbus.retry`): a read
+    that does not follow raises it to its consumer; an append or a following read waits
+    for the backend to be usable instead of raising it."""
+
+
 class RecordTooLarge(ValueError):
     """A record exceeds what the backend accepts in one message (NATS ``max_payload``).
 

@@ -79,7 +79,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import nats
 import nats.errors
 import nats.js.errors
-from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
+from kvbus.transports import LATEST, BackendUnusable, Entry, Position, Record, Transport, entries_of
 from kvbus.transports.packing import entries_after, make_packs, position, split_position
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -153,7 +153,7 @@ def _describe_limits(limits: dict[str, Any]) -> str:
     )
 
 
-class JetStreamUnavailable(ConnectionError):
+class JetStreamUnavailable(BackendUnusable):
     """The NATS server answers, but nothing serves JetStream's API: it runs without
     ``-js`` (or this account has no JetStream). The message says what to do; retrying
     helps only once an operator has enabled it."""
