@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Awaitable, Coroutine
 from typing import Any, Final, TypeVar
 
@@ -43,19 +44,30 @@ def raise_if_cancelling() -> None:
         raise asyncio.CancelledError
 
 
+_SELF_WITHDRAWING: Final = frozenset({"asyncio.timeouts", "asyncio.taskgroups", "async_timeout"})
+"""Modules whose cancel of a task is their own means to an end (a timeout, a failed
+sibling), withdrawn (``uncancel()``) as soon as it has unwound: never a request to stop."""
+
+
 class _StickyCancelTask(asyncio.Task[T]):
     """An ``asyncio.Task`` whose ``cancel()`` repeats until the task ends (or the request
     is withdrawn): see `cancel_sticks`."""
 
     def cancel(self, msg: Any = None) -> bool:
         requested = super().cancel(msg)
-        if requested:
+        # A timeout inside the task (asyncio.timeout, as nats-py and redis-py use) cancels
+        # it too, then withdraws that cancel as a TimeoutError once it has unwound. Repeating
+        # it would be wrong: a loop stalled past CANCEL_AGAIN_AFTER while it unwinds (GC, CPU
+        # throttling) would see cancelling() still 1 and cancel again, and the timeout would
+        # let a CancelledError out instead of its TimeoutError: a reader that only meant to
+        # probe a dead server would end for good. Only a request to stop sticks.
+        caller = sys._getframe(1).f_globals.get("__name__")
+        if requested and caller not in _SELF_WITHDRAWING:
             self.get_loop().call_later(CANCEL_AGAIN_AFTER, self._cancel_again, msg)
         return requested
 
     def _cancel_again(self, msg: Any) -> None:
-        # cancelling() is 0 again when whoever cancelled withdrew it (asyncio.timeout
-        # does, having turned its own cancel into TimeoutError): leave the task be.
+        # cancelling() is 0 again when whoever cancelled withdrew it: leave the task be.
         if not self.done() and self.cancelling():
             self.cancel(msg)
 

@@ -529,6 +529,9 @@ class Subscription:
             if self._snapshot and self._start is None:
                 await self._start_from_snapshots()
             self._reader = cancel_sticks(self._read_live(), name=f"kvbus-reader-{self.stream}")
+            # A reader that ends without queueing _END (an error it did not retry) wakes
+            # the consumer, who raises it below instead of waiting for ever.
+            self._reader.add_done_callback(lambda _task: self._inbox_filled.set())
         while not self._ready:
             if self._page_index < len(self._page):
                 self._ingest_page()
@@ -546,6 +549,8 @@ class Subscription:
                     await self._expire_gaps(force=False)
                     continue
             if not self._inbox:
+                if self._reader.done():
+                    raise _reader_failure(self._reader)
                 self._inbox_filled.clear()
                 try:
                     if deadline is None:
@@ -1406,6 +1411,15 @@ def _decode_batches(payloads: list[bytes]) -> list[KVEventBatch | None]:
         except (msgspec.DecodeError, ValueError):
             batches.append(None)
     return batches
+
+
+def _reader_failure(reader: asyncio.Task[None]) -> BaseException:
+    """What ended a subscription's reader that queued no end: its error, raised to the
+    consumer (who may subscribe again from its cursor) rather than a silent hang."""
+    error = None if reader.cancelled() else reader.exception()
+    if error is not None:
+        return error
+    return ConnectionError("kvbus: the subscription's reader was cancelled from outside")
 
 
 def _pieces(page: Sequence[Entry]) -> list[tuple[Sequence[Entry], int]]:

@@ -320,3 +320,35 @@ def test_a_limited_log_says_how_many_lines_it_held_back(
         "resync 5 (and 4 more like it since the previous one shown)",
     ]
     assert all(r.levelno == logging.INFO for r in caplog.records)
+
+
+class ReaderKilled(BaseException):
+    """What no retry catches (a BaseException, as a cancel from inside the client is)."""
+
+
+class DyingTransport(MemoryTransport):
+    """Reads one page, then its reader dies of something that is not retried."""
+
+    def read_pages(
+        self, stream: str, after: Position | None = None, *, follow: bool = False
+    ) -> AsyncIterator[Sequence[Entry]]:
+        return self._dying(super().read_pages(stream, after, follow=follow))
+
+    async def _dying(self, pages: AsyncIterator[Sequence[Entry]]) -> AsyncIterator[Sequence[Entry]]:
+        async for page in pages:
+            yield page
+            raise ReaderKilled
+
+
+async def test_a_reader_that_dies_is_raised_to_the_consumer_not_a_silent_hang(
+    memory_url: str,
+) -> None:
+    await append_raw(memory_url, [envelope("a", EPOCH, 1)])
+    sub = kvbus.subscribe(url=memory_url, transport=DyingTransport(memory_url), follow=True)
+    items: list[Any] = []
+    with pytest.raises(ReaderKilled):
+        async with asyncio.timeout(30):  # it used to wait for ever
+            async for item in sub:
+                items.append(item)
+    await sub.aclose()
+    assert seqs(items, "a") == [1]

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import pytest
 from kvbus.transports import Entry, Position, Record, Transport, entries_of, open_transport
 
 import kvbus
+from kvbus.shutdown import cancel_sticks
 
 from .conftest import kv_payload
 from .servers import NatsServer, RedisServer, Server
@@ -194,3 +196,59 @@ def test_shutdown_ends_in_an_outage_whatever_the_client_does_with_a_cancel(
 if __name__ == "__main__":
     asyncio.run(outage_program(sys.argv[1]))
     print("asyncio.run returned", flush=True)
+
+
+async def _timeouts_while_the_loop_stalls(log: list[str]) -> None:
+    """A reader's probe of a dead server: a timeout around a 3.11 ``wait_for``, whose
+    unwinding after the timeout's cancel takes a few loop iterations."""
+    for i in range(3):
+        try:
+            async with asyncio.timeout(0.05):
+                await asyncio.wait_for(asyncio.get_running_loop().create_future(), 10)
+        except TimeoutError:
+            log.append(f"timeout {i}")
+
+
+async def _stall_the_loop_now_and_then() -> None:
+    """The consumer's work on the same loop (or GC, or CPU throttling): 120 ms at a
+    time, past `CANCEL_AGAIN_AFTER`."""
+    while True:
+        await asyncio.sleep(0.03)
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.12:
+            pass
+
+
+def test_a_sticky_task_survives_its_own_timeouts_on_a_stalling_loop() -> None:
+    """The repeated cancel once took a timeout's own cancel, still in force while a
+    stalled loop unwound it, for a request to stop: the timeout then let a
+    CancelledError out, and the subscription's reader ended for good (a silent hang)."""
+
+    async def main() -> tuple[list[str], bool]:
+        log: list[str] = []
+        staller = asyncio.create_task(_stall_the_loop_now_and_then())
+        task = cancel_sticks(_timeouts_while_the_loop_stalls(log))
+        await asyncio.wait([task], timeout=10)
+        staller.cancel()
+        return log, task.done() and not task.cancelled()
+
+    log, ended_by_itself = asyncio.run(main())
+    assert log == ["timeout 0", "timeout 1", "timeout 2"] and ended_by_itself
+
+
+def test_a_request_to_stop_still_sticks_when_the_task_swallows_it() -> None:
+    async def swallows_one_cancel() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass  # as a client library's wait_for may
+        await asyncio.sleep(10)  # and goes on waiting: the repeated cancel lands here
+
+    async def main() -> bool:
+        task = cancel_sticks(swallows_one_cancel())
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.wait([task], timeout=5)
+        return task.cancelled()
+
+    assert asyncio.run(main())
