@@ -301,7 +301,8 @@ async def test_resyncs_are_logged_at_most_once_a_second_per_reason(
         items, sub = await collect(memory_url, gap_timeout=0)
     assert sum(isinstance(i, Resync) for i in items) == sub.stats.resyncs == 10_000
     lines = [r for r in caplog.records if "resync" in r.getMessage()]
-    assert len(lines) == 2  # one JOINED, one GAP
+    assert len(lines) == 1  # one GAP (a source joining is logged at DEBUG: not news)
+    assert len([r for r in caplog.records if "joined at seq" in r.getMessage()]) == 0
 
 
 def test_a_limited_log_says_how_many_lines_it_held_back(
