@@ -452,6 +452,8 @@ class PrefixIndex:
             self._stored_blocks[state.number] += len(hashes)
         if len(keys) > len(hashes):
             keys = keys[: len(hashes)]
+        if not state.keys.keys().isdisjoint(hashes):
+            self._release_rekeyed(worker, state, hashes, keys, event.medium)
         # An event's blocks are nearly always new to the worker (one copy each), whole
         # in one call; copies and full counts take the per-block way.
         if kernels.store_new(
@@ -463,6 +465,23 @@ class PrefixIndex:
             self._add_copies(state, keys, shift)
         self._cap(worker, state)
 
+    def _release_rekeyed(
+        self,
+        worker: str,
+        state: _Worker,
+        hashes: Sequence[int | bytes],
+        keys: Sequence[int],
+        medium: str | None,
+    ) -> None:
+        """Engine hashes stored again under another key than before (a forged event, or a
+        collision): their old copies are removed first, as a ``BlockRemoved`` would, or
+        the old keys would stay held with no hash pointing to them (credited for ever,
+        beyond the reach of removals and of the cap)."""
+        known = state.keys
+        rekeyed = [h for h, key in zip(hashes, keys, strict=False) if known.get(h, key) != key]
+        if rekeyed:
+            self._removed(worker, BlockRemoved(block_hashes=rekeyed, medium=medium))
+
     def _cap(self, worker: str, state: _Worker) -> None:
         """Forget ``state``'s oldest blocks (first stored first) while it holds more than
         its cap, down to 7/8 of it, so that the work is amortized over the stores that
@@ -471,17 +490,24 @@ class PrefixIndex:
         limit = self.max_blocks_per_worker
         capacity = self._capacity[state.number]
         gpu_limit = capacity * CAPACITY_HEADROOM + _MIN_REMEMBERED if capacity else limit
+        # Engine hashes count too: a source can name one block by many hashes (each a
+        # dict entry here) without holding more blocks.
+        hash_limit = limit + _MIN_REMEMBERED
         if len(state.held) <= limit and state.resident <= gpu_limit:
-            return
+            if len(state.keys) <= hash_limit:
+                return
         limit -= limit >> 3
         gpu_limit -= gpu_limit >> 3
+        hash_limit -= hash_limit >> 3
         held, known = state.held, state.keys
         victims: list[int | bytes] = []
         excess, gpu_excess = len(held) - limit, state.resident - gpu_limit
+        hash_excess = len(known) - hash_limit
         for engine_hash in known:  # insertion order: first stored first
-            if excess <= 0 and gpu_excess <= 0:
+            if excess <= 0 and gpu_excess <= 0 and hash_excess <= 0:
                 break
             victims.append(engine_hash)
+            hash_excess -= 1
             count = held.get(known[engine_hash], 0)
             if count:
                 excess -= 1

@@ -223,6 +223,29 @@ def test_a_routers_load_records_cap_the_index_by_the_engines_capacity() -> None:
     assert router.index.resident(f"engine-{2**62}") == 5_000
 
 
+def test_one_block_named_by_many_hashes_costs_bounded_memory() -> None:
+    """A source storing the same block under 200,000 engine hashes held one block but
+    200,000 hash entries: the cap counted held blocks only."""
+    index = PrefixIndex(B, max_blocks_per_worker=1000)
+    for start in range(0, 200_000, 1000):
+        index.apply(message("a", *(stored([h], PROMPT[:B]) for h in range(start, start + 1000))))
+    state = index._workers["a"]
+    assert len(state.keys) <= 1000 + kvbus.index._MIN_REMEMBERED
+    assert index.match(PROMPT[:B]).get("a", 0) == B  # the block itself is still known
+
+
+def test_a_hash_stored_again_under_other_tokens_leaves_no_orphan_block() -> None:
+    """Hash 7 stored again under other tokens replaced its key and left the old block
+    held with no hash pointing to it: removing 7 still left the worker credited."""
+    index = PrefixIndex(B)
+    for n in range(2000):
+        index.apply(message("a", stored([7], [n, n + 1, n + 2, n + 3])))
+    assert len(index._workers["a"].held) == 1
+    index.apply(message("a", BlockRemoved([7], "GPU")))
+    assert index._workers["a"].held == {} and index.match([0, 1, 2, 3]).get("a", 0) == 0
+    assert index.match([1999, 2000, 2001, 2002]).get("a", 0) == 0
+
+
 # --- 5. a store that fails is skipped whole -------------------------------------------------
 
 
