@@ -1305,7 +1305,10 @@ class Subscription:
         except (msgspec.DecodeError, ValueError):
             self.stats.malformed += 1
             return
-        snapshots = [s for s in map(self._open_snapshot, stored.values()) if s is not None]
+        # Only a snapshot stored under its own source's name (as the compactor names them):
+        # two claiming one source would both be delivered, the second replacing the state.
+        opened = ((name, self._open_snapshot(data)) for name, data in stored.items())
+        snapshots = [s for name, s in opened if s is not None and s.source == name]
         for snapshot, batch in zip(snapshots, await self._snapshot_batches(snapshots), strict=True):
             if batch is not None:
                 self._track(snapshot.source, snapshot.epoch, snapshot.seq, snapshot.position, -1)

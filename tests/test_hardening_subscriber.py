@@ -353,3 +353,16 @@ async def test_a_reader_that_dies_is_raised_to_the_consumer_not_a_silent_hang(
                 items.append(item)
     await sub.aclose()
     assert seqs(items, "a") == [1]
+
+
+async def test_a_snapshot_stored_under_another_name_is_not_a_start(memory_url: str) -> None:
+    """A snapshot stored under "mallory" claiming engine-a's seq 5 was delivered after
+    engine-a's own (seq 10) and replaced its state; only a source's own name counts."""
+    transport = MemoryTransport(memory_url)
+    own = Snapshot("engine-a", EPOCH, 10, None, 0.0, kv_payload(1))
+    forged = Snapshot("engine-a", EPOCH, 5, None, 0.0, kv_payload(2))
+    await transport.put_snapshot("kv", "engine-a", encode_snapshot(own))
+    await transport.put_snapshot("kv", "mallory", encode_snapshot(forged))
+    await transport.put_snapshot("kv", CURSOR_NAME, kvbus.Cursor().to_bytes())
+    items, _ = await collect(memory_url, transport=transport, snapshot=True)
+    assert [(i.source, i.seq) for i in items if isinstance(i, Message)] == [("engine-a", 10)]
