@@ -205,15 +205,20 @@ def test_every_bus_client_may_reach_nats_through_its_network_policy() -> None:
 
 
 @pytest.fixture(scope="module")
-def vllm_args() -> argparse.Namespace:
+def vllm_args() -> Iterator[argparse.Namespace]:
     # The parser `python -m vllm.entrypoints.openai.api_server` builds and checks with.
+    import vllm.plugins
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    # Parsing loads vLLM's plugins, once per process: here without KVBUS_URL, so kvbus's
+    # would stay off for the engines later tests start in this process. Forget it was done.
+    loaded = vllm.plugins.plugins_loaded
     _, container = container_running(ENGINE)
     args = parse(make_arg_parser(FlexibleArgumentParser(prog="vllm")), expanded_args(container))
     validate_parsed_serve_args(args)
-    return args
+    vllm.plugins.plugins_loaded = loaded
+    yield args
 
 
 def test_engine_command_is_vllms_openai_server_with_what_kvbus_needs(
