@@ -13,6 +13,11 @@ would silently corrupt a consumer's state into an explicit `Resync`:
 * a new epoch means the source restarted: ``Resync(reason=NEW_EPOCH)`` comes before
   the new epoch's first message; messages of older epochs are dropped as stale.
 
+These rules are decided in `kvbus.sequencer` (a pure state machine, tested alone);
+`Subscription` drives it: it reads the transport, checks each envelope, carries out the
+history searches and snapshot substitutions the sequencer asks for, and hands out what
+it answers with.
+
 A consumer resets its state for ``Resync.source`` and carries on. ``Subscription.cursor``
 says what has been yielded so far; pass it back as ``cursor=`` after a restart to
 resume with nothing lost and nothing yielded twice.
@@ -509,11 +514,11 @@ class Subscription:
         Most entries are a source's next KV message with no gap open, and most come in
         runs: a publisher appends what it has queued as one pack, one source's seqs in
         order. A run is made into messages in C (`kvbus.kernels` ``kv_run``), leaving
-        only the source's state to check here, once per run. An entry that begins no
-        run takes the inlined per-entry path below (every check of `_open` and
-        `_ingest` that can apply to it, in one expression, and no holding back), and
-        anything either path doubts goes through `_open` and `_ingest`. All three
-        deliver alike (tests/test_subscribe_runs.py).
+        only the source's state to check, once per run (`Sequencer.accept_run`). An
+        entry that begins no run takes the inlined per-entry path below (every check of
+        `_open` and `Sequencer.receive` that can apply to it, in one expression, and no
+        holding back), and anything either path doubts goes through `_open` and
+        `Sequencer.receive`. All three deliver alike (tests/test_subscribe_runs.py).
         """
         page, start = self._page, self._page_index
         stop = min(len(page), start + _SLICE)
