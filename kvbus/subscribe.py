@@ -13,6 +13,11 @@ would silently corrupt a consumer's state into an explicit `Resync`:
 * a new epoch means the source restarted: ``Resync(reason=NEW_EPOCH)`` comes before
   the new epoch's first message; messages of older epochs are dropped as stale.
 
+These rules are decided in `kvbus.sequencer` (a pure state machine, tested alone);
+`Subscription` drives it: it reads the transport, checks each envelope, carries out the
+history searches and snapshot substitutions the sequencer asks for, and hands out what
+it answers with.
+
 A consumer resets its state for ``Resync.source`` and carries on. ``Subscription.cursor``
 says what has been yielded so far; pass it back as ``cursor=`` after a restart to
 resume with nothing lost and nothing yielded twice.
@@ -53,12 +58,10 @@ O(1) time and memory:
 from __future__ import annotations
 
 import asyncio
-import enum
-import heapq
 import logging
 import time
-from collections import OrderedDict, deque
-from collections.abc import Collection, Sequence
+from collections import deque
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
@@ -92,6 +95,16 @@ from kvbus.events import (
 from kvbus.kernels import kernels
 from kvbus.logs import LimitedLog, shown
 from kvbus.retry import retry_forever
+from kvbus.sequencer import (
+    REPAIR_ALLOWANCE,
+    HistorySearch,
+    Outcome,
+    Resync,
+    ResyncReason,
+    Sequencer,
+    SourceState,
+    SubscriptionStats,
+)
 from kvbus.shutdown import cancel_sticks, close_within
 from kvbus.snapshot import CURSOR_NAME, Snapshot, decode_snapshot
 from kvbus.transports import LATEST, BackendUnusable, Entry, Position, Transport, open_transport
@@ -105,48 +118,14 @@ DEFAULT_MAX_SOURCES: Final = 10_000
 DEFAULT_MAX_CLOCK_SKEW: Final = 60.0
 DEFAULT_MAX_HELD_BYTES: Final = 64 * 1024 * 1024
 MAX_SOURCE_LENGTH: Final = 200
-_MAX_HELD: Final = 1 << 16
-"""Messages held back for one source's gap before the gap is declared lost at once."""
-_HELD_OVERHEAD: Final = 256
-"""Bytes a held-back message is counted for beyond its payload (its envelope, its
-entry in the held map and heap), so that ``max_held_bytes`` bounds many small ones too."""
-_REPAIR_ALLOWANCE: Final = 1 << 16
-"""History entries a subscription's gap searches may read before it has read any entry
-live; each entry read live allows one more, up to this many saved. So that searching
-costs O(1) per message amortized, however many gaps a stream opens and however far
-back. A search starts only when it may read a sixteenth of this (4,096) at least: a
-backend fetches a page of history per round trip however few entries are wanted from
-it, so under a flood of gaps there is at most one search per 4,096 entries read live."""
+_REPAIR_ALLOWANCE: Final = REPAIR_ALLOWANCE
+"""`kvbus.sequencer.REPAIR_ALLOWANCE`, read when a subscription starts."""
 _SNAPSHOTS_REUSED_FOR: Final = 1.0
 """Seconds the stored snapshots read for an expiring gap serve later ones (snapshot
 mode): reading them all again per gap would cost O(all snapshots) per hostile message."""
 _NS_PER_SEQ: Final = 100
 """A seq is plausible only if a publisher sending one message per 100 ns since its epoch
 began (10M/s, far beyond any real one) could have reached it."""
-
-
-class ResyncReason(str, enum.Enum):
-    NEW_EPOCH = "new_epoch"
-    """The source restarted: everything known about it is obsolete."""
-    GAP = "gap"
-    """Seqs were lost in transit and the transport's history no longer has them."""
-    DROPPED = "dropped"
-    """The publisher announced that it dropped these seqs (queue full, backend down)."""
-    JOINED = "joined"
-    """The first message seen from this source is not the start of its epoch."""
-    MALFORMED = "malformed"
-    """A message of this source could not be decoded: its effect is lost."""
-
-
-class Resync(msgspec.Struct, frozen=True, gc=False):
-    """Control message: reset your state for ``source``; what follows is ``epoch``."""
-
-    source: str
-    epoch: int
-    reason: ResyncReason
-    lost: tuple[int, int] | None = None
-    """Inclusive range of seqs of ``epoch`` that will never be delivered."""
-    previous_epoch: int | None = None
 
 
 Body: TypeAlias = KVEventBatch | LoadMetrics | ConnectorBatch | RouteEvent | ControlEvent
@@ -272,150 +251,6 @@ class Cursor(msgspec.Struct):
         return msgspec.json.decode(data, type=cls)
 
 
-class SubscriptionStats(msgspec.Struct):
-    delivered: int = 0
-    resyncs: int = 0
-    resyncs_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
-    duplicates: int = 0
-    """Copies dropped, including live copies of messages already repaired from history."""
-    stale: int = 0
-    """Messages of an epoch older than the newest seen for their source."""
-    gaps_repaired: int = 0
-    gaps_lost: int = 0
-    malformed: int = 0
-    oversized: int = 0
-    future_version: int = 0
-    unknown_kind: int = 0
-    skipped_events: int = 0
-    """Events inside otherwise good KV batches whose type is unknown or malformed
-    (counted when the batch is decoded: when its ``Message.body`` is first read)."""
-    implausible: int = 0
-    """Envelopes rejected for an epoch ahead of the clock or an unreachable seq."""
-    forged: int = 0
-    """Envelopes that claim a source other than the one the transport authenticated."""
-    evicted_sources: int = 0
-    """Sources forgotten because more than ``max_sources`` were tracked."""
-    gaps_declared_early: int = 0
-    """Gaps declared lost before ``gap_timeout`` because what was held back for them
-    exceeded a limit: 65,536 messages for one source, or ``max_held_bytes`` in all."""
-    repair_entries: int = 0
-    """History entries read searching for missing seqs."""
-    repairs_limited: int = 0
-    """History searches cut short or skipped because the subscription had read as many
-    history entries as it may (one per entry read live, beyond 65,536)."""
-    snapshot_reads: int = 0
-    """Times the stored snapshots were read (``snapshot=True``)."""
-    snapshots: int = 0
-    """Snapshots delivered (``snapshot=True``)."""
-    transport_errors: int = 0
-
-
-class _Held(msgspec.Struct, gc=False):
-    envelope: Envelope
-    position: int | str
-    order: int | None
-    """Arrival order on the live read (None: found by a history repair)."""
-    previous: int | str | None
-    """Position of the live entry read just before this one."""
-
-
-class _HeldBytes:
-    """Bytes held back for gaps by all the sources of one subscription."""
-
-    __slots__ = ("total",)
-
-    def __init__(self) -> None:
-        self.total = 0
-
-
-def _held_size(held: _Held) -> int:
-    return len(held.envelope.payload) + _HELD_OVERHEAD
-
-
-class _SourceState:
-    __slots__ = (
-        "active",
-        "anchor",
-        "epoch",
-        "gap_deadline",
-        "held",
-        "held_bytes",
-        "held_seqs",
-        "name",
-        "newest",
-        "position",
-        "searched_top",
-        "seq",
-        "top",
-    )
-
-    def __init__(
-        self,
-        name: str,
-        epoch: int,
-        seq: int,
-        position: int | str | None,
-        order: int,
-        held_bytes: _HeldBytes,
-    ) -> None:
-        self.name = name
-        self.epoch = epoch
-        self.seq = seq
-        self.position = position
-        self.held: dict[int, _Held] = {}
-        """Messages above ``seq`` waiting for the seqs before them, by seq."""
-        self.held_seqs: list[int] = []
-        """The keys of ``held`` as a heap: its lowest in O(1) however many are held."""
-        self.held_bytes = held_bytes
-        self.top = 0
-        """The highest seq held (while any is)."""
-        self.newest: tuple[int, Position] | None = None
-        """(arrival order, position) of the newest message held that the live read
-        brought (while any is): where a history search for this gap can stop."""
-        self.searched_top = 0
-        """``top`` when history was last searched for this source's gap."""
-        self.gap_deadline: float | None = None
-        self.active = order
-        """Arrival order of this source's newest message (for evicting the idlest)."""
-        self.anchor: tuple[int, Position | None] = (order, position)
-        """(arrival order, position) at or before ``position``: where a history search
-        for this source's missing seqs starts (positions are opaque, orders compare)."""
-
-    def hold(self, seq: int, held: _Held) -> None:
-        if not self.held:  # a new gap
-            self.top, self.newest, self.searched_top = seq, None, 0
-        self.held[seq] = held
-        heapq.heappush(self.held_seqs, seq)
-        self.held_bytes.total += _held_size(held)
-        self.top = max(self.top, seq)
-        if held.order is not None and (self.newest is None or held.order > self.newest[0]):
-            self.newest = (held.order, held.position)
-
-    def take_next(self) -> _Held | None:
-        """The held message of seq ``seq + 1``, if there is one (then the lowest held)."""
-        held = self.held.pop(self.seq + 1, None)
-        if held is not None:
-            heapq.heappop(self.held_seqs)
-            self.held_bytes.total -= _held_size(held)
-        return held
-
-    def lowest(self) -> int:
-        return self.held_seqs[0]
-
-    def drop_held_through(self, seq: int) -> None:
-        while self.held_seqs and self.held_seqs[0] <= seq:
-            self.held_bytes.total -= _held_size(self.held.pop(heapq.heappop(self.held_seqs)))
-
-    def drop_held(self) -> None:
-        self.held_bytes.total -= sum(_held_size(held) for held in self.held.values())
-        self.held.clear()
-        self.held_seqs.clear()
-
-    def missing(self) -> int:
-        """How many seqs are missing below the highest held one."""
-        return self.top - self.seq - len(self.held) if self.held else 0
-
-
 _SLICE: Final = 256
 """Entries of a page ingested at a time."""
 _END: Final = object()
@@ -452,27 +287,29 @@ class Subscription:
         self.sources = frozenset(sources) if sources is not None else None
         self.stats = SubscriptionStats()
         self._follow = follow
-        self._gap_timeout = gap_timeout
         self._max_message_bytes = max_message_bytes
-        self._max_sources = max(1, max_sources)
         self._snapshot = snapshot
         self._max_skew_ns = int(max_clock_skew * 1e9)
-        self._max_held_bytes = max_held_bytes
-        self._held_bytes = _HeldBytes()
         self._transport = transport or open_transport(self.url)
-        self._states: dict[str, _SourceState] = {}
-        # Every tracked source once, with its `active` when queued: the front is the
-        # least recently queued; one active since is queued again rather than evicted.
-        self._eviction_queue: deque[tuple[int, _SourceState]] = deque()
-        # Sources waiting for missing seqs, in the order their gaps opened: that of
-        # their deadlines (each is gap_timeout after the opening).
-        self._gapped: OrderedDict[_SourceState, None] = OrderedDict()
-        self._repair_due: set[_SourceState] = set()  # new gaps not yet searched for
-        self._repair_credit = _REPAIR_ALLOWANCE  # history entries a search may read
-        self._recent_snapshots: dict[str, bytes] | None = None  # see _SNAPSHOTS_REUSED_FOR
-        self._snapshots_read_at = 0.0
         # What was yielded last per source: a message stands for its SourceCursor.
         self._yielded: dict[str, SourceCursor | Message] = {}
+        # The ordering rules; this class feeds it what the transport brings.
+        self._sequencer: Sequencer[Message] = Sequencer(
+            self._open_message,
+            self.stats,
+            gap_timeout=gap_timeout,
+            max_sources=max_sources,
+            max_held_bytes=max_held_bytes,
+            repair_allowance=_REPAIR_ALLOWANCE,
+            on_forget=self._forget,
+            stream=self.stream,
+            limited_log=_limited,
+        )
+        # Items to yield, each with its entry's arrival order and the position read just
+        # before it (None for items not from the live read), for `cursor`.
+        self._ready = self._sequencer.ready
+        self._recent_snapshots: dict[str, bytes] | None = None  # see _SNAPSHOTS_REUSED_FOR
+        self._snapshots_read_at = 0.0
         if cursor == "latest":
             self._start: Position | None = LATEST
         elif cursor is None:
@@ -482,12 +319,9 @@ class Subscription:
                 cursor = Cursor.from_bytes(cursor)
             self._start = cursor.position
             for name, c in cursor.sources.items():
-                self._track(name, c.epoch, c.seq, c.position, -1)
+                self._sequencer.track(name, c.epoch, c.seq, c.position, -1)
                 self._yielded[name] = c
         self._read_position: Position | None = self._start
-        # Items to yield, each with its entry's arrival order and the position read just
-        # before it (None for items not from the live read), for `cursor`.
-        self._ready: deque[tuple[Item, int | None, Position | None]] = deque()
         self._arrivals = 0
         self._undecoded = _UndecodedBatch(self.stats, self.stream)
         self._delivered_undecoded = 0
@@ -517,7 +351,7 @@ class Subscription:
             await self._fill()
         item = self._ready.popleft()[0]
         if isinstance(item, Message):
-            if item.source in self._states:  # not forgotten (max_sources) meanwhile
+            if item.source in self._sequencer.states:  # not forgotten (max_sources) meanwhile
                 self._yielded[item.source] = item
         else:
             self._note_resync(item)
@@ -538,16 +372,15 @@ class Subscription:
                 continue
             if self._ended:
                 raise StopAsyncIteration
-            if self._repair_due and not self._inbox:
+            sequencer = self._sequencer
+            if sequencer.repair_due and not self._inbox:
                 # Caught up with what has arrived: one history pass for every new gap.
-                await self._repair(list(self._repair_due))
+                await self._search(sequencer.repair_due)
                 continue
-            deadline = None
-            if self._gapped:
-                deadline = next(iter(self._gapped)).gap_deadline or 0.0
-                if deadline <= time.monotonic():
-                    await self._expire_gaps(force=False)
-                    continue
+            deadline = sequencer.next_deadline()
+            if deadline is not None and deadline <= time.monotonic():
+                await self._expire_gaps(force=False)
+                continue
             if not self._inbox:
                 if self._reader.done():
                     raise _reader_failure(self._reader)
@@ -585,7 +418,7 @@ class Subscription:
     @property
     def backlog(self) -> int:
         """Messages read from the transport and not yet delivered."""
-        held = sum(len(s.held) for s in self._gapped)
+        held = self._sequencer.held_messages()
         unread = len(self._page) - self._page_index
         return self._inbox_entries + unread + len(self._ready) + held
 
@@ -615,12 +448,7 @@ class Subscription:
     def cursor(self) -> Cursor:
         """Everything yielded so far; resuming from it yields what comes next."""
         pending = [(o, p) for _, o, p in self._ready if o is not None]
-        pending += [
-            (h.order, h.previous)
-            for s in self._states.values()
-            for h in s.held.values()
-            if h.order is not None
-        ]
+        pending += self._sequencer.held_arrivals()
         position = min(pending, key=lambda x: x[0])[1] if pending else self._read_position
         sources = {
             name: SourceCursor(c.epoch, c.seq, c.position) for name, c in self._yielded.items()
@@ -691,18 +519,19 @@ class Subscription:
         Most entries are a source's next KV message with no gap open, and most come in
         runs: a publisher appends what it has queued as one pack, one source's seqs in
         order. A run is made into messages in C (`kvbus.kernels` ``kv_run``), leaving
-        only the source's state to check here, once per run. An entry that begins no
-        run takes the inlined per-entry path below (every check of `_open` and
-        `_ingest` that can apply to it, in one expression, and no holding back), and
-        anything either path doubts goes through `_open` and `_ingest`. All three
-        deliver alike (tests/test_subscribe_runs.py).
+        only the source's state to check, once per run (`Sequencer.accept_run`). An
+        entry that begins no run takes the inlined per-entry path below (every check of
+        `_open` and `Sequencer.receive` that can apply to it, in one expression, and no
+        holding back), and anything either path doubts goes through `_open` and
+        `Sequencer.receive`. All three deliver alike (tests/test_subscribe_runs.py).
         """
         page, start = self._page, self._page_index
         stop = min(len(page), start + _SLICE)
         previous = self._page_previous
         order = self._arrivals
         horizon = self._horizon()
-        states, sources, ready = self._states, self.sources, self._ready
+        sequencer = self._sequencer
+        states, sources, ready = sequencer.states, self.sources, self._ready
         max_bytes, undecoded = self._max_message_bytes, self._undecoded
         # Nothing of the last slice waits in _ready: if the consumer read every body
         # delivered undecoded so far, it reads them all; decode this slice's at once.
@@ -713,12 +542,13 @@ class Subscription:
         packed: Any = None
         delivered = 0
         # Bound once: this loop runs for every message.
-        decode, check, append, kv, kv_run = (
+        decode, check, append, kv, kv_run, advance = (
             ENVELOPE_DECODER.decode,
             KV_BATCH_SHAPE.decode,
             ready.append,
             Kind.KV,
             kernels.kv_run,
+            sequencer.advance,
         )
         entries = page[start:stop]
         count = len(entries)
@@ -739,25 +569,20 @@ class Subscription:
                 )  # fmt: skip
                 if run is not None:
                     source, epoch, first, items = run
-                    state = states.get(source)
                     last = first + len(items) - 1
-                    if (
-                        state is not None
-                        and first == state.seq + 1
-                        and epoch == state.epoch
-                        and not state.held
-                        and (sources is None or source in sources)
+                    state = (
+                        sequencer.accept_run(source, epoch, first, last)
+                        if (sources is None or source in sources)
                         and last <= (horizon - epoch) // _NS_PER_SEQ + 1
-                    ):
+                        else None
+                    )
+                    if state is not None:
                         ready.extend(items)
                         index += len(items)
                         delivered += len(items)
                         order += len(items)
                         previous = items[-1][0].position
-                        state.seq = last
-                        state.position = previous
-                        state.anchor = (order - 1, previous)
-                        state.active = order - 1
+                        advance(state, last, order - 1, previous)
                         continue
                     per_entry_until = index + len(items)
             entry, vouched = entries[index], vouched_for[index]
@@ -791,10 +616,7 @@ class Subscription:
                             packed = False
                     elif not vouched:
                         check(envelope.payload)  # see `check_kv_batch`
-                    state.seq = envelope.seq
-                    state.position = position
-                    state.anchor = (order, position)
-                    state.active = order
+                    advance(state, envelope.seq, order, position)
                     message = Message(
                         envelope.source,
                         envelope.epoch,
@@ -815,14 +637,14 @@ class Subscription:
                 pass  # counted (or not) below, as if the fast path had not looked
             opened = self._open(entry, horizon, count=True)
             if opened is not None:
-                self._ingest(opened, position, order, previous)
+                sequencer.receive(opened, position, order, previous, time.monotonic())
             order += 1
             previous = position
         self.stats.delivered += delivered
         if not eager:
             self._delivered_undecoded += delivered
         self._arrivals = order
-        self._repair_credit = min(_REPAIR_ALLOWANCE, self._repair_credit + count)
+        sequencer.read_live(count)
         self._page_index = stop
         self._page_previous = self._read_position = previous
 
@@ -909,315 +731,37 @@ class Subscription:
 
     # --- ordering ----------------------------------------------------------------------
 
-    def _ingest(
-        self, envelope: Envelope, position: Position, order: int, previous: Position | None
-    ) -> None:
-        source = envelope.source
-        state = self._states.get(source)
-        # A first message that is not seq 1 is an ordinary gap: the earlier seqs may
-        # still arrive (reordered) or be in history; JOINED is declared only on expiry.
-        if state is None:
-            state = self._track(source, envelope.epoch, 0, previous, order - 1)
-        elif envelope.epoch < state.epoch:
-            self.stats.stale += 1
-            return
-        elif envelope.epoch > state.epoch:
-            old_epoch = state.epoch
-            state.epoch, state.seq, state.position = envelope.epoch, 0, previous
-            state.anchor = (order - 1, previous)
-            state.drop_held()
-            self._close_gap(state)
-            self._resync(state, ResyncReason.NEW_EPOCH, 0, old_epoch)
-        state.active = order
-        if envelope.seq <= state.seq or envelope.seq in state.held:
-            self.stats.duplicates += 1
-            return
-        state.hold(envelope.seq, _Held(envelope, position, order, previous))
-        self._release(state)
-        if not state.held:
-            return
-        if self._gap_timeout <= 0:
-            self._declare_lost(state)
-        elif len(state.held) > _MAX_HELD:
-            self._declare_early(state, f"{len(state.held)} messages held back")
-        elif state.gap_deadline is None:
-            state.gap_deadline = time.monotonic() + self._gap_timeout
-            self._gapped[state] = None
-            self._repair_due.add(state)
-        if self._held_bytes.total > self._max_held_bytes:
-            self._shed_held()
+    async def _search(self, states: Iterable[SourceState]) -> None:
+        """Carry out the history search the sequencer asks for ``states``' gaps, if any
+        (one pass for all of them; see `Sequencer.search_history`)."""
+        sequencer = self._sequencer
+        search = sequencer.search_history(list(states), self._read_position)
+        if search is not None:
+            try:
+                await self._read_history(search)
+            except Exception as error:
+                self.stats.transport_errors += 1
+                log.warning("kvbus: history read of %s failed: %r", self.stream, error)
+            sequencer.history_searched(search)
 
-    def _close_gap(self, state: _SourceState) -> None:
-        state.gap_deadline = None
-        self._gapped.pop(state, None)
-        self._repair_due.discard(state)
-
-    def _shed_held(self) -> None:
-        """Declare the oldest gaps lost (their deadlines are the nearest) until what is
-        held back for gaps fits in ``max_held_bytes`` again."""
-        while self._held_bytes.total > self._max_held_bytes and self._gapped:
-            self._declare_early(
-                next(iter(self._gapped)),
-                f"{self._held_bytes.total} bytes held back for all gaps "
-                f"(max_held_bytes={self._max_held_bytes})",
-            )
-
-    def _declare_early(self, state: _SourceState, why: str) -> None:
-        """Declare ``state``'s gap lost before its deadline: too much is held for it."""
-        self.stats.gaps_declared_early += 1
-        _limited.warning(
-            "declared_early",
-            "kvbus: declared the gap of %s in %s lost before gap_timeout: %s",
-            shown(state.name),
-            self.stream,
-            why,
-        )
-        self._declare_lost(state)
-
-    def _track(
-        self, name: str, epoch: int, seq: int, position: Position | None, order: int
-    ) -> _SourceState:
-        """A new source's state, tracked; at most ``max_sources`` are."""
-        if len(self._states) >= self._max_sources:
-            self._evict_source()
-        state = self._states[name] = _SourceState(
-            name, epoch, seq, position, order, self._held_bytes
-        )
-        self._eviction_queue.append((order, state))
-        return state
-
-    def _evict_source(self) -> None:
-        """Forget the least recently active source, approximately (the one longest in
-        the queue that was not active since it was queued: a second-chance queue, O(1)
-        amortized: a source is queued again only after a message of its own). One
-        holding messages back has its gap declared lost first, so that nothing it held
-        goes unannounced. A source that comes back starts over with a JOINED resync."""
-        queue = self._eviction_queue
-        while queue:
-            queued, state = queue.popleft()
-            if self._states.get(state.name) is not state:
-                continue  # forgotten already
-            if state.active != queued:
-                queue.append((state.active, state))
-                continue
-            if state.held:
-                self._declare_lost(state)
-            del self._states[state.name]
-            self._yielded.pop(state.name, None)
-            self.stats.evicted_sources += 1
-            _limited.warning(
-                "evicted",
-                "kvbus: tracking more than max_sources=%d sources of %s: forgot the "
-                "least recently active, %s",
-                self._max_sources,
-                self.stream,
-                shown(state.name),
-            )
-            return
-
-    def _release(self, state: _SourceState) -> None:
-        """Deliver held messages that are next in seq order (or whose gap is announced)."""
-        repaired = state.gap_deadline is not None
-        while state.held:
-            held = state.take_next()
-            if held is None:
-                lowest = state.lowest()
-                lost_from = state.held[lowest].envelope.lost_from
-                if not lost_from or lost_from > state.seq + 1:
+    async def _read_history(self, search: HistorySearch) -> None:
+        receive = self._sequencer.receive_history
+        async for page in self._transport.read_pages(self.stream, search.after, follow=False):
+            horizon = self._horizon()
+            for entry in page:
+                if not receive(search, self._open(entry, horizon, count=False), entry.position):
                     return
-                self._resync(state, ResyncReason.DROPPED, lowest - 1)
-                repaired = False
-                continue
-            self._deliver(state, held.envelope, held.position, held.order, held.previous)
-        if state.gap_deadline is not None:
-            self._close_gap(state)
-            if repaired:
-                self.stats.gaps_repaired += 1
-
-    def _deliver(
-        self,
-        state: _SourceState,
-        envelope: Envelope,
-        position: Position,
-        order: int | None,
-        previous: Position | None,
-    ) -> None:
-        state.position = position
-        if order is not None:
-            state.anchor = (order, position)
-        body = self._decode_body(envelope, position)
-        if body is self._undecoded:
-            self._delivered_undecoded += 1
-        elif body is None:
-            state.seq = envelope.seq
-            return
-        if body is _MALFORMED:  # its effect on the consumer's state is lost
-            self._resync(state, ResyncReason.MALFORMED, envelope.seq)
-            return
-        if type(body) is LossNotice:
-            self._dropped_through(state, envelope.seq)
-            return
-        state.seq = envelope.seq
-        message = Message(
-            envelope.source,
-            envelope.epoch,
-            envelope.seq,
-            _KINDS[envelope.kind],  # a known kind: _decode_body checked it
-            envelope.ts,
-            body,
-            envelope.payload,
-            position,
-        )
-        self.stats.delivered += 1
-        self._ready.append((message, order, previous))
-
-    def _dropped_through(self, state: _SourceState, seq: int) -> None:
-        """A `LossNotice` at ``seq``: it takes the seq of the last message its publisher
-        dropped, whose payload is lost like the others', so ``seq`` is announced lost
-        with them (one Resync: the others' was just queued, if its gap marker had any)
-        rather than delivered. Else a lone trailing drop would reach the consumer as a
-        control message and no Resync, and its state would silently miss a batch."""
-        ready = self._ready
-        last = ready[-1][0] if ready else None
-        if (
-            isinstance(last, Resync)
-            and last.source == state.name
-            and last.epoch == state.epoch
-            and last.reason is ResyncReason.DROPPED
-            and last.lost is not None
-            and last.lost[1] == seq - 1 == state.seq
-        ):
-            ready[-1] = (msgspec.structs.replace(last, lost=(last.lost[0], seq)), None, None)
-            state.seq = seq
-        else:
-            self._resync(state, ResyncReason.DROPPED, seq)
-
-    def _resync(
-        self,
-        state: _SourceState,
-        reason: ResyncReason,
-        lost_to: int,
-        previous_epoch: int | None = None,
-    ) -> None:
-        """Queue a Resync; seqs state.seq+1..lost_to (if any) are declared lost."""
-        lost = (state.seq + 1, lost_to) if lost_to > state.seq else None
-        if lost is not None:
-            state.seq = lost_to
-            self.stats.gaps_lost += 1
-        self.stats.resyncs += 1
-        by_reason = self.stats.resyncs_by_reason
-        by_reason[reason.value] = by_reason.get(reason.value, 0) + 1
-        if reason is ResyncReason.JOINED:
-            # The normal start of a read that does not begin at a source's first
-            # message (a cursor, trimmed history, the metrics stream's recent past):
-            # nothing went missing, so it is no news at INFO.
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "kvbus: %s in %s: joined at seq %d of epoch %s",
-                    shown(state.name),
-                    self.stream,
-                    state.seq + 1,
-                    state.epoch,
-                )
-        else:
-            _limited.info(
-                f"resync_{reason.value}",
-                "kvbus: resync %s in %s epoch %s: %s%s",
-                shown(state.name),
-                self.stream,
-                state.epoch,
-                reason.value,
-                f", seqs {lost[0]}-{lost[1]} lost" if lost else "",
-            )
-        self._ready.append(
-            (Resync(state.name, state.epoch, reason, lost, previous_epoch), None, None)
-        )
-
-    async def _repair(self, states: list[_SourceState]) -> None:
-        """Search the transport's history once for the missing seqs of all ``states``.
-
-        The search runs from the earliest of their anchors up to the newest message
-        held back for them (a missing seq is stored before the message that showed it
-        missing, unless the store reordered them, and then the live read brings it),
-        and ends as soon as nothing is missing. It reads at most `_repair_credit`
-        entries: one per entry read live, beyond `_REPAIR_ALLOWANCE`, so that gaps a
-        stream opens, however many and however far back, cost O(1) per message.
-        """
-        self._repair_due.difference_update(states)
-        wanted = {s.name: s for s in states if s.held}
-        if not wanted:
-            return
-        credit = self._repair_credit
-        if credit < _REPAIR_ALLOWANCE // 16:
-            self._repair_limited("skipped")
-            return
-        remaining = 0
-        for gapped in wanted.values():
-            gapped.searched_top = gapped.top
-            remaining += gapped.missing()
-        tops = {name: s.top for name, s in wanted.items()}
-        _, start = min((s.anchor for s in wanted.values()), key=lambda anchor: anchor[0])
-        newest = [s.newest for s in wanted.values() if s.newest is not None]
-        stop = max(newest, key=lambda held: held[0])[1] if newest else self._read_position
-        read = 0
-        try:
-            async for page in self._transport.read_pages(self.stream, start, follow=False):
-                horizon = self._horizon()
-                for entry in page:
-                    read += 1
-                    envelope = self._open(entry, horizon, count=False)
-                    state = wanted.get(envelope.source) if envelope is not None else None
-                    if envelope is not None and state is not None and envelope.epoch == state.epoch:
-                        seq = envelope.seq
-                        if state.seq < seq < tops[state.name] and seq not in state.held:
-                            state.hold(seq, _Held(envelope, entry.position, None, None))
-                            remaining -= 1
-                    if remaining <= 0 or entry.position == stop:
-                        break
-                    if read >= credit or self._held_bytes.total > self._max_held_bytes:
-                        self._repair_limited("cut short")
-                        break
-                else:
-                    continue
-                break
-        except Exception as error:
-            self.stats.transport_errors += 1
-            log.warning("kvbus: history read of %s failed: %r", self.stream, error)
-        self._repair_credit -= read
-        self.stats.repair_entries += read
-        for state in wanted.values():
-            self._release(state)
-        if self._held_bytes.total > self._max_held_bytes:
-            self._shed_held()
-
-    def _repair_limited(self, what: str) -> None:
-        self.stats.repairs_limited += 1
-        _limited.warning(
-            "repair_limited",
-            "kvbus: history search of %s %s: searches read at most one history entry per "
-            "entry read live (beyond %d) and start only with %d to read; the gaps it did "
-            "not search are declared lost when they expire",
-            self.stream,
-            what,
-            _REPAIR_ALLOWANCE,
-            _REPAIR_ALLOWANCE // 16,
-        )
 
     async def _expire_gaps(self, *, force: bool) -> None:
         """Gaps whose deadline passed get a history search if theirs has not looked for
         every seq now missing, then a Resync. Only the gaps due: the oldest first."""
-        now = time.monotonic()
-        expired: list[_SourceState] = []
-        for state in self._gapped:
-            if not force and (state.gap_deadline or 0.0) > now:
-                break
-            expired.append(state)
-        unsearched = [s for s in expired if s in self._repair_due or s.top > s.searched_top]
-        await self._repair(unsearched)
+        sequencer = self._sequencer
+        expired = sequencer.expiring(time.monotonic(), force=force)
+        await self._search(sequencer.unsearched(expired))
         if self._snapshot:
             await self._substitute_snapshots([s for s in expired if s.held])
         for state in expired:
-            self._declare_lost(state)
+            sequencer.declare_lost(state)
 
     # --- snapshots (see kvbus.snapshot) -----------------------------------------------
 
@@ -1280,20 +824,6 @@ class Subscription:
             self._malformed_snapshot()
         return batches
 
-    def _deliver_snapshot(self, snapshot: Snapshot, batch: KVEventBatch) -> None:
-        message = Message(
-            snapshot.source,
-            snapshot.epoch,
-            snapshot.seq,
-            Kind.KV,
-            snapshot.ts,
-            batch,
-            snapshot.payload,
-            snapshot.position if snapshot.position is not None else "",
-        )
-        self.stats.snapshots += 1
-        self._ready.append((message, None, None))
-
     async def _start_from_snapshots(self) -> None:
         """Each source's snapshot first, then the stream from the compactor's cursor."""
         stored = dict(await self._snapshots())
@@ -1311,10 +841,15 @@ class Subscription:
         snapshots = [s for name, s in opened if s is not None and s.source == name]
         for snapshot, batch in zip(snapshots, await self._snapshot_batches(snapshots), strict=True):
             if batch is not None:
-                self._track(snapshot.source, snapshot.epoch, snapshot.seq, snapshot.position, -1)
-                self._deliver_snapshot(snapshot, batch)
+                self._sequencer.start_at(
+                    snapshot.source,
+                    snapshot.epoch,
+                    snapshot.seq,
+                    snapshot.position,
+                    _snapshot_message(snapshot, batch),
+                )
 
-    async def _substitute_snapshots(self, states: list[_SourceState]) -> None:
+    async def _substitute_snapshots(self, states: list[SourceState]) -> None:
         """A source about to be declared JOINED or GAP whose stored snapshot covers the
         missing seqs: Resync with nothing lost, its snapshot, then what follows it.
 
@@ -1323,38 +858,47 @@ class Subscription:
         publish, and all snapshots together can hold every engine's cache."""
         if not states:
             return
+        sequencer = self._sequencer
         stored = await self._recent()
-        covering: list[tuple[_SourceState, Snapshot]] = []
+        covering: list[tuple[SourceState, Snapshot]] = []
         for state in states:
             data = stored.get(state.name)
             snapshot = None if data is None else self._open_snapshot(data)
-            if (
-                snapshot is not None
-                and snapshot.source == state.name
-                and snapshot.epoch == state.epoch
-                and state.seq < state.lowest() - 1 <= snapshot.seq
+            if snapshot is not None and sequencer.snapshot_covers(
+                state, snapshot.source, snapshot.epoch, snapshot.seq
             ):
                 covering.append((state, snapshot))
         batches = await self._snapshot_batches([snapshot for _, snapshot in covering])
         for (state, snapshot), batch in zip(covering, batches, strict=True):
-            if batch is None:
-                continue
-            self._close_gap(state)
-            reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
-            self._ready.append((Resync(state.name, state.epoch, reason), None, None))
-            self.stats.resyncs += 1
-            state.seq, state.position = snapshot.seq, snapshot.position
-            state.drop_held_through(snapshot.seq)
-            self._deliver_snapshot(snapshot, batch)
-            self._release(state)
+            if batch is not None:
+                message = _snapshot_message(snapshot, batch)
+                sequencer.substitute(state, snapshot.seq, snapshot.position, message)
 
-    def _declare_lost(self, state: _SourceState) -> None:
-        """Give up on the seqs missing before the held messages: Resync, then deliver."""
-        self._close_gap(state)
-        while state.held:
-            reason = ResyncReason.JOINED if state.seq == 0 else ResyncReason.GAP
-            self._resync(state, reason, state.lowest() - 1)
-            self._release(state)
+    def _open_message(self, envelope: Envelope, position: Position) -> Message | Outcome:
+        """The message to deliver for ``envelope`` (for `Sequencer`), or why none is."""
+        body = self._decode_body(envelope, position)
+        if body is self._undecoded:
+            self._delivered_undecoded += 1
+        elif body is None:
+            return Outcome.SKIP
+        if body is _MALFORMED:
+            return Outcome.MALFORMED
+        if type(body) is LossNotice:
+            return Outcome.LOSS_NOTICE
+        return Message(
+            envelope.source,
+            envelope.epoch,
+            envelope.seq,
+            _KINDS[envelope.kind],  # a known kind: _decode_body checked it
+            envelope.ts,
+            body,
+            envelope.payload,
+            position,
+        )
+
+    def _forget(self, source: str) -> None:
+        """``source`` is no longer tracked (``max_sources``): nor is what it yielded."""
+        self._yielded.pop(source, None)
 
     def _decode_body(self, envelope: Envelope, position: Position) -> Any:
         """The decoded payload; None for a kind this kvbus does not know (skipped: a
@@ -1396,7 +940,7 @@ class Subscription:
         return None
 
     def _note_resync(self, item: Resync) -> None:
-        if item.source not in self._states:
+        if item.source not in self._sequencer.states:
             return  # forgotten (max_sources) since it was queued
         last = self._yielded.get(item.source)
         same_epoch = last is not None and last.epoch == item.epoch
@@ -1423,6 +967,19 @@ def _reader_failure(reader: asyncio.Task[None]) -> BaseException:
     if error is not None:
         return error
     return ConnectionError("kvbus: the subscription's reader was cancelled from outside")
+
+
+def _snapshot_message(snapshot: Snapshot, batch: KVEventBatch) -> Message:
+    return Message(
+        snapshot.source,
+        snapshot.epoch,
+        snapshot.seq,
+        Kind.KV,
+        snapshot.ts,
+        batch,
+        snapshot.payload,
+        snapshot.position if snapshot.position is not None else "",
+    )
 
 
 def _pieces(page: Sequence[Entry]) -> list[tuple[Sequence[Entry], int]]:
