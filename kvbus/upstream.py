@@ -192,9 +192,13 @@ class Upstream:
                     body.release()  # a stream is never retried
                     response, answer = await self._relay_stream(request, upstream, decision)
                 else:  # all of it first: a worker that breaks off is retried elsewhere
+                    # --worker-timeout covers all of it: a worker that sends its headers
+                    # and stalls would hold a connection slot and the body's budget.
+                    left = max(0.0, self.worker_timeout - (time.perf_counter() - sent))
                     try:
-                        answer = await upstream.read()
-                    except aiohttp.ClientError as error:
+                        async with asyncio.timeout(left):
+                            answer = await upstream.read()
+                    except (aiohttp.ClientError, TimeoutError) as error:
                         raise WorkerUnreachable(failure_text(error, self.worker_timeout)) from error
                     body.release()
                     self.router.started(decision)
@@ -282,8 +286,11 @@ class Upstream:
         tail = bytearray()
         while True:
             try:
-                chunk = await upstream.content.readany()
-            except aiohttp.ClientError as error:
+                # A stream silent for --worker-timeout is a worker that stalled, not one
+                # still generating (tokens come every few milliseconds to seconds).
+                async with asyncio.timeout(self.worker_timeout):
+                    chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as error:
                 # The client has part of a stream: cut it off, as the worker did.
                 self.router.mark_down(decision.worker, self.down_for)
                 self.say_unreachable(
