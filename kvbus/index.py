@@ -760,9 +760,12 @@ class PrefixIndex:
         return 0.0
 
     def weighted_blocks(self, worker: str, keys: Sequence[int]) -> float:
-        """``keys`` (held by ``worker``) counted by the weight of their best medium."""
-        held = self._workers[worker].held
-        return sum(self._weight(held.get(k, 0)) for k in keys)
+        """``keys`` (held by ``worker``) counted by the weight of their best medium; 0
+        for a worker that has sent no event yet (its blocks are only routed there)."""
+        state = self._workers.get(worker)
+        if state is None:
+            return 0.0
+        return sum(self._weight(state.held.get(k, 0)) for k in keys)
 
     def holds(self, worker: str, key: int) -> bool:
         state = self._workers.get(worker)

@@ -313,3 +313,16 @@ def test_a_record_that_still_counts_this_routers_ended_request_is_not_foreign_lo
     r.apply_metrics(load("a", running=1))
     later = r.route([8] * 12, exclude={"b"})
     assert later is not None and later.load == r.weights.waiting
+
+
+def test_a_worker_that_sent_no_event_yet_is_routed_beside_offloaded_blocks() -> None:
+    """With blocks off the GPU somewhere, a prompt whose deepest match was a worker
+    holding only what was just routed to it (no event of its own yet) raised KeyError
+    out of route()."""
+    r = router()
+    first = r.route(PROMPT)
+    assert first is not None
+    other = "b" if first.worker == "a" else "a"
+    r.apply_kv(kv(other, BlockStored([1], None, PROMPT[:B], B, None, "CPU", None)))
+    again = r.route(PROMPT)
+    assert again is not None and again.worker == first.worker
