@@ -23,7 +23,7 @@ from cluster import RouterProcess
 import kvbus
 from kvbus import Kind, LoadMetrics
 
-from .servers import NatsServer
+from .servers import NatsServer, free_port
 from .test_gateway_limits import PROMPT, Fleet, complete
 from .test_gateway_limits import fleet as fleet  # the fixtures
 from .test_gateway_limits import tokenizer as tokenizer
@@ -328,3 +328,36 @@ async def beat_forever(url: str, source: str) -> None:
             await asyncio.sleep(0.5)
     finally:
         publisher.close(0.5)
+
+
+async def test_a_worker_that_sends_its_headers_and_stalls_is_retried_elsewhere(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """--worker-timeout covered only the wait for the headers: a worker that sent them
+    and stalled held the request (a connection slot, the body's budget) until the client
+    left."""
+    stalled: list[asyncio.StreamWriter] = []
+
+    async def headers_then_nothing(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await reader.read(65536)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 999\r\n\r\n{"
+        )
+        await writer.drain()
+        stalled.append(writer)  # and nothing more, the connection left open
+
+    port = free_port()
+    server = await asyncio.start_server(headers_then_nothing, "127.0.0.1", port)
+    fleet.workers["stalls"] = f"http://127.0.0.1:{port}"
+    await fleet.worker("good")
+    try:
+        await fleet.run_router(tokenizer, "round_robin", worker_timeout=1.0)
+        results = [await complete(fleet, PROMPT, timeout=20) for _ in range(4)]
+        assert [(status, worker) for status, _, worker in results] == [(200, "good/dp0")] * 4
+        assert stalled  # the stalled worker was tried
+    finally:
+        for writer in stalled:
+            writer.close()
+        server.close()
