@@ -37,10 +37,7 @@ from aiohttp import web
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
 
-from cluster import NatsServer, free_port, make_model  # noqa: E402
-
-import kvbus  # noqa: E402
-from kvbus import Kind, LoadMetrics  # noqa: E402
+from cluster import NatsServer, beat_idle_load, free_port, make_model  # noqa: E402
 
 
 class Workers:
@@ -75,20 +72,6 @@ class Workers:
     async def close(self) -> None:
         for runner in self._runners:
             await runner.cleanup()
-
-
-async def beat(url: str, stream: str, workers: list[str]) -> None:
-    """Each worker's load twice a second, as its stat logger would send it."""
-    publishers = [kvbus.Publisher(url, stream=stream, source=f"{w}/dp0") for w in workers]
-    try:
-        while True:
-            for publisher in publishers:
-                record = LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0)
-                publisher.publish(record, Kind.METRICS)
-            await asyncio.sleep(0.5)
-    finally:
-        for publisher in publishers:
-            await publisher.aclose(1)
 
 
 @contextlib.contextmanager
@@ -208,7 +191,7 @@ async def main() -> None:
             for name, tree in trees:
                 for shared in (True, False):
                     tag = f"{name}-{'shared' if shared else 'unshared'}-{time.time_ns()}"
-                    beating = asyncio.create_task(beat(nats.url, f"metrics-{tag}", names))
+                    beating = asyncio.create_task(beat_idle_load(nats.url, f"metrics-{tag}", names))
                     try:
                         with replicas(
                             tree,

@@ -329,6 +329,26 @@ class VllmServer(Server):
         return totals
 
 
+async def beat_idle_load(url: str, stream: str, workers: list[str], every: float = 0.5) -> None:
+    """Each worker's load (idle) every ``every`` seconds on ``stream``, as its stat logger
+    would send it, until cancelled: workers a router takes for alive without engines."""
+    import asyncio
+
+    import kvbus
+    from kvbus.events import LoadMetrics
+
+    publishers = [kvbus.Publisher(url, stream=stream, source=f"{w}/dp0") for w in workers]
+    try:
+        while True:
+            for publisher in publishers:
+                record = LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0)
+                publisher.publish(record, kvbus.Kind.METRICS)
+            await asyncio.sleep(every)
+    finally:
+        for publisher in publishers:
+            await publisher.aclose(1)
+
+
 class RouterProcess(Server):
     """The router in its own process, as an operator runs it: ``examples/nats_router.py``
     (or, with ``cli``, the ``kvbus router`` console script) with ``extra`` options."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from cluster import beat_idle_load
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
@@ -368,20 +369,6 @@ def router_processes(
             out.close()
 
 
-async def beat(url: str, stream: str, workers: list[str]) -> None:
-    """Each worker's load twice a second, as its stat logger would send it."""
-    publishers = [kvbus.Publisher(url, stream=stream, source=f"{w}/dp0") for w in workers]
-    try:
-        while True:
-            for publisher in publishers:
-                record = LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0)
-                publisher.publish(record, Kind.METRICS)
-            await asyncio.sleep(0.5)
-    finally:
-        for publisher in publishers:
-            await publisher.aclose(1)
-
-
 async def peer_requests(session: aiohttp.ClientSession, base: str) -> float:
     async with session.get(f"{base}/metrics") as response:
         text = await response.text()
@@ -415,7 +402,9 @@ async def test_replicas_in_processes_of_their_own_send_a_burst_to_one_worker(
     fleet, held = Fleet(nats_server.url), Held()
     for name in WORKERS:
         await fleet.worker(name, held.generate)
-    beating = asyncio.create_task(beat(nats_server.url, streams["metrics"], list(WORKERS)))
+    beating = asyncio.create_task(
+        beat_idle_load(nats_server.url, streams["metrics"], list(WORKERS))
+    )
     body = json.dumps({"model": "m", "prompt": " ".join(f"w{i}" for i in range(200))})
 
     async def post(session: aiohttp.ClientSession, base: str) -> tuple[str, int]:

@@ -6,27 +6,22 @@ for an envelope's fields, not only the ones kvbus writes."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvbus.transports import Entry
-from kvbus.transports.memory import MemoryTransport
 
-import kvbus
 from kvbus import Message, _kernels
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 
 from .conftest import ckernels as _ckernels
-from .conftest import kv_payload, needs_c, subscribe_module
+from .conftest import kv_payload, needs_c
+from .crafted_streams import delivered
 
 EPOCH = time.time_ns() - 10**9
-_buses = itertools.count()
 
 
 def _int(value: int, how: str) -> bytes:
@@ -113,48 +108,6 @@ def streams(draw: st.DrawFn) -> tuple[list[Entry], list[int]]:
     return entries, sizes
 
 
-class _Crafted(MemoryTransport):
-    """Hands over crafted entries (senders included) in pages of the given sizes."""
-
-    def __init__(self, entries: list[Entry], sizes: list[int]) -> None:
-        super().__init__(f"memory://runs{next(_buses)}")
-        self.entries, self.sizes = entries, sizes
-
-    async def read_pages(
-        self, stream: str, after: Any = None, *, follow: bool = False
-    ) -> AsyncIterator[Sequence[Entry]]:
-        start = 0
-        for size in itertools.cycle(self.sizes):
-            if start >= len(self.entries):
-                return
-            yield self.entries[start : start + size]
-            start += size
-
-
-def _delivered(kernels: Any, entries: list[Entry], sizes: list[int]) -> tuple[list[Any], Any]:
-    saved = subscribe_module.kernels
-    subscribe_module.kernels = kernels
-    try:
-
-        async def read() -> tuple[list[Any], Any]:
-            sub = kvbus.subscribe(
-                "s", transport=_Crafted(entries, sizes), follow=False, gap_timeout=0,
-                max_message_bytes=600,
-            )  # fmt: skip
-            items = [
-                (i.source, i.epoch, i.seq, i.kind, i.ts, i.payload, i.position)
-                if isinstance(i, Message)
-                else i
-                async for i in sub
-            ]
-            await sub.aclose()
-            return items, sub.stats
-
-        return asyncio.run(read())
-    finally:
-        subscribe_module.kernels = saved
-
-
 @needs_c
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
@@ -162,7 +115,7 @@ def test_runs_in_c_deliver_what_the_per_entry_path_does(
     stream: tuple[list[Entry], list[int]],
 ) -> None:
     entries, sizes = stream
-    assert _delivered(_ckernels, entries, sizes) == _delivered(_kernels, entries, sizes)
+    assert delivered(_ckernels, entries, sizes, 600) == delivered(_kernels, entries, sizes, 600)
 
 
 @needs_c
