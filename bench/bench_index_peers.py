@@ -371,7 +371,7 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     compiled = index_module.kernels
     for _ in range(args.repeats):  # the revisions take turns: the same noise for each
         for name, (build, events, apply, prepare, python_kernels) in builds.items():
-            index_module.kernels = _kernels if python_kernels else compiled
+            index_module.use_kernels(_kernels if python_kernels else compiled)
             runs[name].append(
                 one_run(
                     lambda: build(BLOCK),  # noqa: B023
@@ -386,7 +386,7 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
                     prepare,
                 )
             )
-    index_module.kernels = compiled
+    index_module.use_kernels(compiled)
     return runs
 
 
@@ -400,8 +400,8 @@ def keys_hashed_before(index_class: Any, stored: list[tuple[Step, Any]]) -> Any:
     recorded: list[list[int]] = []
 
     class Recording(index_class):  # type: ignore[misc,valid-type]
-        def _plain_keys(self, data: bytes, parent: int) -> list[int]:
-            keys: list[int] = super()._plain_keys(data, parent)
+        def _plain_keys(self, data: bytes, parent: int, block_size: int) -> list[int]:
+            keys: list[int] = super()._plain_keys(data, parent, block_size)
             recorded.append(keys)
             return keys
 
@@ -413,7 +413,7 @@ def keys_hashed_before(index_class: Any, stored: list[tuple[Step, Any]]) -> Any:
         def _stored(self, worker: str, event: Any, data: bytes | None = None) -> None:
             super()._stored(worker, event, b"")  # no token bytes: the keys are given
 
-        def _plain_keys(self, data: bytes, parent: int) -> list[int]:
+        def _plain_keys(self, data: bytes, parent: int, block_size: int) -> list[int]:
             return next(self._given)
 
     def build(block_size: int) -> Any:

@@ -11,6 +11,8 @@ import msgspec
 import pytest
 
 import kvbus.index
+import kvbus.index_feed
+import kvbus.index_keys
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message
 from kvbus.events import LoadMetrics, decode_kv_batch, decode_raw, encode
 from kvbus.index import PrefixIndex
@@ -156,7 +158,7 @@ def test_a_configured_block_size_is_every_workers() -> None:
 def test_profiles_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A query keys the prompt once per (block size, lookahead) in use: past
     `MAX_PROFILES` a worker bringing another one is skipped, counted."""
-    monkeypatch.setattr(kvbus.index, "MAX_PROFILES", 3)
+    monkeypatch.setattr(kvbus.index_keys, "MAX_PROFILES", 3)
     index = PrefixIndex()
     for size in range(1, 6):
         index.apply(message(f"w{size}", stored([size], PROMPT[:size], block_size=size)))
@@ -257,7 +259,7 @@ def test_a_store_whose_keys_fail_counts_nothing(monkeypatch: pytest.MonkeyPatch)
     def failing(*args: Any) -> list[int]:
         raise TypeError("unhashable type: 'list'")
 
-    monkeypatch.setattr(kvbus.index, "_keys_of", failing)
+    monkeypatch.setattr(kvbus.index_feed, "keys_of", failing)
     index = PrefixIndex()
     event = with_lookahead(stored([1, 2], PROMPT[: 2 * B]), 2)
     index.apply(message("a", event))  # does not raise

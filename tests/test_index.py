@@ -21,10 +21,11 @@ B = 4  # block size
 
 
 @pytest.fixture(autouse=True, params=["C kernels", "Python kernels"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def kernels(request: pytest.FixtureRequest) -> None:
     """Every test here on the index's C loops and on their Python reference."""
     if request.param == "Python kernels":
-        monkeypatch.setattr(kvbus.index, "kernels", _kernels)
+        before = kvbus.index.use_kernels(_kernels)
+        request.addfinalizer(lambda: kvbus.index.use_kernels(before))
     elif kvbus.index.kernels is _kernels:
         pytest.skip("kvbus._ckernels did not build (test_index_kernels says why)")
 

@@ -348,16 +348,16 @@ def index_state(index: PrefixIndex) -> Any:
 def test_an_index_on_c_kernels_is_the_index_on_python_kernels(
     stream: list[tuple[str, Any]],
 ) -> None:
-    states, in_use = [], kvbus.index.kernels
+    states = []
     for kernels in (_ckernels, _kernels):
-        kvbus.index.kernels = kernels
+        in_use = kvbus.index.use_kernels(kernels)
         try:
             index = PrefixIndex(B)
             for worker, event in stream:
                 index.apply_events(worker, [event])
             states.append(index_state(index))
         finally:
-            kvbus.index.kernels = in_use
+            kvbus.index.use_kernels(in_use)
     assert states[0] == states[1]
 
 
