@@ -198,7 +198,7 @@ def timer_cost() -> tuple[float, float]:
 
 def instrument(llm: Any) -> Clock:
     """Timers on the wrapper's class and on its inner instances (scheduler and worker)."""
-    from kvbus.connectors.vllm_connector import KvbusConnector
+    from kvbus.connectors.vllm_connector import KvbusConnector, PassThrough
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     clock = Clock()
@@ -208,7 +208,9 @@ def instrument(llm: Any) -> Clock:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     for connector in (scheduler.connector, get_kv_transfer_group()):
         assert isinstance(connector, KvbusConnector)
-        if connector.inner is not None:  # the wrapper calls self.inner.<method>: patch there
+        # The wrapper calls self.inner.<method>: patch there (a pass-through's
+        # PassThrough is part of the wrapper's own cost, as when it had no inner).
+        if not isinstance(connector.inner, PassThrough):
             for name in PER_STEP:
                 method = getattr(connector.inner, name)
                 setattr(connector.inner, name, clock.timed(method, "inner", name))

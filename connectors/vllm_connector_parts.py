@@ -3,7 +3,8 @@
 vLLM moves connector metadata from the scheduler to the workers and back each step,
 stats from the workers to the scheduler and on to its front end (as a dict, rebuilt
 there with no config at hand), and builds Prometheus metrics in the front end from the
-config alone: each of those wraps the inner connector's own object here.
+config alone: each of those wraps the inner connector's own object here. The inner's
+faults, contained by the wrapper, are counted here too (`Faults`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from kvbus.connectors.vllm_connector_passthrough import PassThrough
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvbus.events import BlockDigest
+from kvbus.logs import LimitedLog
 from kvbus.transfers import LOAD, SAVE, Outcome, TransferCounters
 
 if TYPE_CHECKING:
@@ -62,6 +66,16 @@ def inner_config(vllm_config: VllmConfig) -> VllmConfig | None:
     return child
 
 
+def inner_of(vllm_config: VllmConfig) -> tuple[type[KVConnectorBase_V1], VllmConfig]:
+    """The inner connector's class and the VllmConfig it sees: `PassThrough` and the
+    wrapper's own config when none is configured."""
+    child = inner_config(vllm_config)
+    if child is None:
+        return PassThrough, vllm_config
+    assert child.kv_transfer_config is not None
+    return class_of(child.kv_transfer_config), child
+
+
 def class_of(config: KVTransferConfig) -> type[KVConnectorBase_V1]:
     return KVConnectorFactory.get_connector_class(config)
 
@@ -83,6 +97,29 @@ def _class_named(name: str) -> type[KVConnectorBase_V1] | None:
     if isinstance(value, type) and issubclass(value, KVConnectorBase_V1):
         return value
     return None
+
+
+_limited = LimitedLog(logging.getLogger("kvbus.connectors"))
+
+
+class Faults:
+    """The inner's calls that raised and were contained (see `KvbusConnector`): counted
+    by method and logged, rate-limited."""
+
+    def __init__(self, inner_name: str) -> None:
+        self.inner_name = inner_name
+        self.counts: dict[str, int] = {}
+
+    def contain(self, method: str, error: BaseException) -> None:
+        self.counts[method] = self.counts.get(method, 0) + 1
+        _limited.warning(
+            f"inner_{method}",
+            "kvbus: the inner connector %s raised in %s (contained, %d so far): %r",
+            self.inner_name,
+            method,
+            self.counts[method],
+            error,
+        )
 
 
 # --- what travels between the two roles --------------------------------------------------
@@ -202,13 +239,10 @@ class KvbusPromMetrics(KVConnectorPromMetrics):
         from prometheus_client import REGISTRY, Counter, Histogram
 
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.inner: KVConnectorPromMetrics | None = None
-        child = inner_config(vllm_config)
-        if child is not None:
-            assert child.kv_transfer_config is not None
-            self.inner = class_of(child.kv_transfer_config).build_prom_metrics(
-                child, metric_types, labelnames, per_engine_labelvalues
-            )
+        inner_cls, child = inner_of(vllm_config)
+        self.inner: KVConnectorPromMetrics | None = inner_cls.build_prom_metrics(
+            child, metric_types, labelnames, per_engine_labelvalues
+        )
         # vLLM unregisters its own "vllm:" families before building them again (a new
         # stat logger); do the same for ours.
         for name in list(getattr(REGISTRY, "_names_to_collectors", {})):
