@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvbus import __version__, metrics
+from kvbus import __version__, instruments
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, decode_envelope, encode_envelope
 from kvbus.events import LossNotice, SourceStarted, SourceStopped, encode
@@ -167,7 +167,7 @@ class Publisher:
         self.source = resolve_source(source)
         self.epoch = time.time_ns()
         self.stats = PublisherStats()
-        self.append_latency = metrics.LatencyHistogram()
+        self.append_latency = instruments.LatencyHistogram()
         """Seconds from an append's first try to the transport's acknowledgement."""
         self._max_queue = max_queue
         self._max_queue_bytes = max_queue_bytes
@@ -207,7 +207,7 @@ class Publisher:
         self._thread.start()
         self._sending: asyncio.Task[None] | None = None  # the sender, in the thread's loop
         self._sender = asyncio.run_coroutine_threadsafe(self._run_sender(), self._loop)
-        metrics.track_publisher(self)
+        instruments.track_publisher(self)
         _open_publishers.add(self)
         self.publish(
             SourceStarted(
