@@ -246,7 +246,7 @@ class Publisher:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():
-            self._loop.close()  # the pipe is closed with the Publisher: see __init__
+            self._loop.close()  # the wake pipe is closed with the SendQueue, not here
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """`close` without blocking the event loop. Cancelled (a timeout around it,
