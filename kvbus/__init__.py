@@ -8,6 +8,9 @@ client library is imported only when first used.
 
 __version__ = "0.2.0"
 
+import importlib
+from typing import Any
+
 from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind
 from kvbus.events import (
     AllBlocksCleared,
@@ -53,3 +56,11 @@ __all__ = [
     "__version__",
     "subscribe",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``kvbus.metrics`` after a bare ``import kvbus`` (as the README writes it), imported
+    on first use: the bus itself never imports its operations code (`kvbus.instruments`)."""
+    if name == "metrics":
+        return importlib.import_module("kvbus.metrics")
+    raise AttributeError(f"module 'kvbus' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 series named ``kvbus_publisher_*`` and ``kvbus_subscriber_*``.
 
 Every `kvbus.Publisher` and `kvbus.Subscription` is tracked (weakly) from its creation,
-so any consumer exposes the bus by registering one collector::
+in the bus's own registry (`kvbus.instruments`, which this module reads and the bus
+never imports), so any consumer exposes the bus by registering one collector::
 
     kvbus.metrics.register()             # into prometheus_client's default REGISTRY
     kvbus.metrics.register(my_registry)  # or another one
@@ -47,7 +48,6 @@ Importing this module imports no Prometheus code; `collector` does, on first use
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import logging
@@ -64,21 +64,25 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgspec
 
+from kvbus import instruments
+from kvbus.instruments import APPEND_BUCKETS as APPEND_BUCKETS
+from kvbus.instruments import LatencyHistogram as LatencyHistogram
+from kvbus.instruments import add_counts as add_counts
+from kvbus.instruments import track_publisher as track_publisher
+from kvbus.instruments import track_subscription as track_subscription
 from kvbus.logs import LimitedLog, shown
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from kvbus.publisher import Publisher, PublisherStats
-    from kvbus.subscribe import Subscription, SubscriptionStats
+    from kvbus.publisher import PublisherStats
+    from kvbus.sequencer import SubscriptionStats
 
 log = logging.getLogger("kvbus.metrics")
 _limited = LimitedLog(log)
 _S = TypeVar("_S", bound=msgspec.Struct)
 
 METRICS_DIR_ENV: Final = "KVBUS_METRICS_DIR"
-APPEND_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
-"""Upper bounds (seconds) of the append latency histogram's buckets (+Inf is implied)."""
 REPORT_INTERVAL: Final = 1.0
 REPORT_FORMAT: Final = 2
 """The layout of a `Report` file: bumped whenever a field is added, removed or changes
@@ -90,20 +94,6 @@ MAX_REPORT_BYTES: Final = 1 << 20
 MAX_REPORT_FILES: Final = 1024
 """Report files read per scrape at most (one per process that publishes or subscribes:
 a vLLM server has a handful); the rest are skipped and counted."""
-
-
-class LatencyHistogram:
-    """Cumulative-at-read histogram with fixed buckets, cheap enough for a sender thread
-    (one bisect and two adds per observation, no lock: one writer)."""
-
-    def __init__(self, bounds: tuple[float, ...] = APPEND_BUCKETS) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.sum += seconds
 
 
 class PublisherSample(msgspec.Struct, frozen=True):
@@ -155,46 +145,6 @@ class _ReportFormat(msgspec.Struct):
     of another kvbus version is told apart from a malformed one."""
 
     format: int = 1  # the files written before the field existed
-
-
-_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
-_subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
-# What objects that were garbage-collected had counted, so that no counter goes down
-# when one goes (the router's history read ends before its live read begins).
-_retired_publishers: dict[tuple[str, str], PublisherSample] = {}
-_retired_subscribers: dict[str, SubscriberSample] = {}
-_retired_lock = threading.Lock()
-
-
-def track_publisher(publisher: Publisher) -> None:
-    _publishers.add(publisher)
-    weakref.finalize(
-        publisher,
-        _retire_publisher,
-        publisher.stream,
-        publisher.source,
-        publisher.stats,
-        publisher.append_latency,
-    )
-
-
-def track_subscription(subscription: Subscription) -> None:
-    _subscriptions.add(subscription)
-    weakref.finalize(subscription, _retire_subscriber, subscription.stream, subscription.stats)
-
-
-def _retire_publisher(
-    stream: str, source: str, stats: PublisherStats, latency: LatencyHistogram
-) -> None:
-    sample = _publisher_sample(stream, source, stats, latency, 0, 0)
-    with _retired_lock:
-        add_into(_retired_publishers, (stream, source), sample)
-
-
-def _retire_subscriber(stream: str, stats: SubscriptionStats) -> None:
-    sample = _subscriber_sample(stream, stats, 0, 0.0)
-    with _retired_lock:
-        add_into(_retired_subscribers, stream, sample)
 
 
 def _publisher_sample(
@@ -256,20 +206,25 @@ def _subscriber_sample(
 
 
 def report() -> Report:
-    """This process's bus objects, now."""
+    """This process's bus objects, now, with what collected ones had counted."""
     publishers = [
         _publisher_sample(
             p.stream, p.source, p.stats, p.append_latency, p.queue_messages, p.queue_bytes
         )
-        for p in list(_publishers)
+        for p in list(instruments.publishers)
+    ]
+    publishers += [
+        _publisher_sample(stream, source, stats, latency, 0, 0)
+        for stream, source, stats, latency in instruments.retired_publishers()
     ]
     subscribers = [
         _subscriber_sample(s.stream, s.stats, s.backlog, s.lag_seconds)
-        for s in list(_subscriptions)
+        for s in list(instruments.subscriptions)
     ]
-    with _retired_lock:
-        publishers += _retired_publishers.values()
-        subscribers += _retired_subscribers.values()
+    subscribers += [
+        _subscriber_sample(stream, stats, 0, 0.0)
+        for stream, stats in instruments.retired_subscriptions()
+    ]
     return Report(os.getpid(), publishers, subscribers)
 
 
@@ -509,22 +464,3 @@ def merge_subscribers(samples: Iterable[SubscriberSample]) -> dict[str, Subscrib
     for sample in samples:
         add_into(merged, sample.stream, sample)
     return merged
-
-
-def add_counts(a: _S, b: _S) -> _S:
-    """Field-wise sum of two structs of counters of the same type (samples,
-    `SubscriptionStats`): numbers and per-key maps added, ``lag_*`` the larger."""
-    values: dict[str, Any] = {}
-    for name in a.__struct_fields__:
-        x, y = getattr(a, name), getattr(b, name)
-        if name.startswith("lag_"):
-            values[name] = max(x, y)
-        elif isinstance(x, str):
-            values[name] = x
-        elif isinstance(x, dict):
-            values[name] = {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}}
-        elif isinstance(x, list):
-            values[name] = [i + j for i, j in zip(x, y, strict=False)]
-        else:
-            values[name] = x + y
-    return type(a)(**values)

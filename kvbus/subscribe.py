@@ -66,7 +66,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import msgspec
 
-from kvbus import metrics
+from kvbus import instruments
 from kvbus.config import redact_url, resolve_stream, resolve_url
 from kvbus.envelope import (
     ENVELOPE_DECODER,
@@ -339,7 +339,7 @@ class Subscription:
         self._page_previous: Position | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ended = False
-        metrics.track_subscription(self)
+        instruments.track_subscription(self)
 
     # --- iteration ---------------------------------------------------------------------
 

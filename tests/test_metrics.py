@@ -178,3 +178,25 @@ def test_reports_of_other_processes_are_added_and_dead_ones_removed(tmp_path: Pa
         child.wait(10)
     series = parse(generate_latest(registry).decode())
     assert ("kvbus_publisher_sent_total", frozenset(labels.items())) not in series
+
+
+def test_the_bus_does_not_import_its_metrics_and_kvbus_metrics_still_resolves() -> None:
+    """Publishers and subscriptions register in `kvbus.instruments`; `kvbus.metrics`
+    (operations) reads it and is imported only when used, also as ``kvbus.metrics``
+    after a bare ``import kvbus`` (as the README writes it); what it reports then
+    includes the objects made before it was imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio, sys, kvbus\n"
+        "async def main():\n"
+        "    with kvbus.Publisher('memory://early', stream='kv', source='early'):\n"
+        "        async with kvbus.subscribe('kv', 'memory://early'):\n"
+        "            assert 'kvbus.metrics' not in sys.modules, 'the bus imported it'\n"
+        "            report = kvbus.metrics.report()\n"
+        "    assert [x.source for x in report.publishers] == ['early'], report\n"
+        "    assert [x.stream for x in report.subscribers] == ['kv'], report\n"
+        "asyncio.run(main())\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)

@@ -164,12 +164,12 @@ async def test_a_refused_record_is_dropped_once_across_retries(memory_url: str) 
     transport = RefusingTransport(memory_url)
     publisher = kvbus.Publisher(memory_url, source="e", transport=transport)
     # The three in one append: queued while the idle sender is not woken, then woken.
-    while not publisher._idle:  # noqa: ASYNC110 - polls the sender thread
+    while not publisher._queue.idle:  # noqa: ASYNC110 - polls the sender thread
         await asyncio.sleep(0.001)
-    publisher._idle = False
+    publisher._queue.idle = False
     for payload in (kv_payload(1), b"\x00" * 4096, kv_payload(3)):
         publisher.publish(payload)
-    publisher._wake_sender()
+    publisher._queue.wake()
     assert await publisher.aflush(5)
     await publisher.aclose()
     assert (publisher.stats.dropped, publisher.stats.send_errors) == (1, 1)
@@ -186,13 +186,13 @@ async def test_a_refused_record_after_a_loss_keeps_its_gap_marker(memory_url: st
     and consumers get one Resync for both."""
     transport = RefusingTransport(memory_url)
     publisher = kvbus.Publisher(memory_url, source="e", transport=transport)
-    while not publisher._idle:  # noqa: ASYNC110 - polls the sender thread
+    while not publisher._queue.idle:  # noqa: ASYNC110 - polls the sender thread
         await asyncio.sleep(0.001)
-    publisher._idle = False  # what follows is queued before the sender wakes
+    publisher._queue.idle = False  # what follows is queued before the sender wakes
     publisher.announce_loss()  # seq 2
     publisher.publish(b"\x00" * 4096)  # seq 3: carries the marker for 2, and is refused
     publisher.publish(kv_payload(4))
-    publisher._wake_sender()
+    publisher._queue.wake()
     assert await publisher.aflush(5)
     await publisher.aclose()
     items, _ = await collect(memory_url, gap_timeout=3600)
@@ -416,12 +416,12 @@ def test_a_forked_child_drops_through_the_parents_publisher_and_publishes_throug
             assert own.publish(kv_payload(3))
         assert own.stats.sent == 3  # SourceStarted, the batch, SourceStopped
 
-    parent._lock.acquire()  # as if a parent thread were inside publish() at the fork
+    parent._queue.lock.acquire()  # as if a parent thread were inside publish() at the fork
     try:
         with caplog.at_level(logging.WARNING, "kvbus.publisher"):
             _in_forked_child(child)
     finally:
-        parent._lock.release()
+        parent._queue.lock.release()
     assert parent.publish(kv_payload(4))
     parent.close()
     assert parent.stats.sent == 4 and parent.stats.dropped == 0

@@ -10,7 +10,8 @@ from pathlib import Path
 import nats
 import pytest
 from kvbus.transports import Record, open_transport
-from kvbus.transports.nats import NatsTransport, _sequences
+from kvbus.transports.nats import NatsTransport
+from kvbus.transports.nats_reader import _sequences
 from kvbus.transports.zmq import ZmqTransport
 
 import kvbus

@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from kvbus.transports import zmq as zmq_transport
+from kvbus.transports import zmq_server
 
 import kvbus
 from kvbus.events import BlockRemoved, BlockStored, KVEventBatch, encode
@@ -23,8 +24,8 @@ from .conftest import kv_payload, last_seq_is, read_until, seqs
 from .servers import free_port
 
 
-def _server(port: int) -> zmq_transport._Server:
-    return next(s for e, s in zmq_transport._servers.items() if e.port == port)
+def _server(port: int) -> zmq_server.Server:
+    return next(s for e, s in zmq_server.servers.items() if e.port == port)
 
 
 async def test_hostile_replay_requests_are_refused_and_the_endpoint_lives() -> None:
@@ -81,7 +82,7 @@ async def test_a_peer_flooding_replay_requests_gets_one_replay() -> None:
 
 _NEVER_READS = """
 import resource, sys, time, zmq, kvbus
-from kvbus.transports import zmq as zmq_transport
+from kvbus.transports import zmq_server
 port = int(sys.argv[1])
 def rss():
     with open("/proc/self/statm") as statm:
@@ -97,7 +98,7 @@ for _ in range(45):
     for _ in range(1000):
         publisher.publish(payload)
     assert publisher.flush(30)
-ring = next(iter(zmq_transport._servers.values()))._rings[b"kv\\0"]
+ring = next(iter(zmq_server.servers.values()))._rings[b"kv\\0"]
 print(rss() - before, ring.bytes, publisher.stats.dropped)
 """
 

@@ -65,105 +65,34 @@ restarted from its position once the stream answers again.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import datetime
 import hashlib
-import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Final
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import quote, unquote
 
 import nats
 import nats.errors
 import nats.js.errors
-from kvbus.transports import LATEST, BackendUnusable, Entry, Position, Record, Transport, entries_of
-from kvbus.transports.packing import entries_after, make_packs, position, split_position
+from kvbus.transports import LATEST, Entry, Position, Record, Transport, entries_of
+from kvbus.transports.nats_admin import JETSTREAM_RECHECK as JETSTREAM_RECHECK
+from kvbus.transports.nats_admin import JetStreamUnavailable as JetStreamUnavailable
+from kvbus.transports.nats_admin import StreamAdmin
+from kvbus.transports.nats_options import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from kvbus.transports.nats_options import parse_url
+from kvbus.transports.nats_reader import quietly, read_pages
+from kvbus.transports.packing import make_packs, position, split_position
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 
-from kvbus.config import redact_text, redact_url
+from kvbus.config import redact_text
 
 log = logging.getLogger("kvbus.transports.nats")
 
-DEFAULT_TIMEOUT: Final = 5.0
 _HEADER_ROOM: Final = 512  # room left in max_payload for the headers of one message
 _WHOLE_PACK: Final = 0xFFFF  # an index past any pack's last message
-_PROBE_TIMEOUT: Final = 0.5  # seconds a leaderless stream's info request is waited for
-_IDLE_CHECK: Final = 1.0  # seconds between a finite read's looks at the stream's end
-_HEARTBEAT: Final = 0.5  # seconds between the server's heartbeats to an idle pull request
-_PULL_BATCH: Final = 1024  # messages one pull request asks for
-_PULL_BYTES: Final = 8 << 20  # bytes one pull request asks for (at least 2 max_payloads)
-_PULL_EXPIRES: Final = 30.0  # seconds the server holds a pull request that found nothing
-_CONSUMER_IDLE: Final = 120.0  # seconds without a pull request before a consumer is removed
-JETSTREAM_RECHECK: Final = 2.0
-"""Seconds between an append's or a following read's asks whether a server found without
-JetStream has it now (restarted with ``-js``): one small request each."""
-
-
-_LIMIT_OPTIONS: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
-    # URL option: (its StreamConfig field, how its text is read)
-    "max_age": ("max_age", float),
-    "max_bytes": ("max_bytes", int),
-    "max_msgs": ("max_msgs", int),
-    "replicas": ("num_replicas", int),
-    "duplicate_window": ("duplicate_window", float),
-    "storage": ("storage", api.StorageType),
-}
-_OPTION_OF_FIELD: Final = {field: option for option, (field, _) in _LIMIT_OPTIONS.items()}
-_no_jetstream_warned: set[str] = set()
-"""Servers (as URLs show them, credentials hidden) already said to have no JetStream:
-however many transports and retries a process has, it says so once per server."""
-_limits_kept_warned: set[tuple[str, str, str, str]] = set()
-"""The limit mismatches already logged: a process that opens many transports says each
-once. Keyed by what the URLs configure, not by anything from the network."""
-
-
-def _take_option(
-    query: dict[str, str], option: str, convert: Callable[[str], Any], url: str
-) -> Any:
-    """``query``'s ``option`` (removed from it) converted, or None when absent; a value
-    that does not convert is a ValueError naming it, the URL's credentials hidden."""
-    if option not in query:
-        return None
-    text = query.pop(option)
-    try:
-        return convert(text)
-    except ValueError:
-        raise ValueError(f"bad nats:// option {option}={text!r} in {redact_url(url)}") from None
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
-    raise ValueError(text)
-
-
-def _describe_limits(limits: dict[str, Any]) -> str:
-    """``max_msgs=2, storage=file``: limits by StreamConfig field, as a URL names them."""
-    return ", ".join(
-        f"{_OPTION_OF_FIELD.get(field, field)}={getattr(value, 'value', value)}"
-        for field, value in sorted(limits.items())
-    )
-
-
-class JetStreamUnavailable(BackendUnusable):
-    """The NATS server answers, but nothing serves JetStream's API: it runs without
-    ``-js`` (or this account has no JetStream). The message says what to do; retrying
-    helps only once an operator has enabled it."""
-
-
-def _no_responders(error: Exception) -> bool:
-    """A JetStream API request nobody answered (nats-py turns the server's 503 "no
-    responders" status into a bare ServiceUnavailableError; an answer from JetStream
-    itself carries a code)."""
-    return isinstance(error, nats.js.errors.ServiceUnavailableError) and error.code is None
 
 
 def _subject_token(source: str) -> str:
@@ -172,28 +101,15 @@ def _subject_token(source: str) -> str:
 
 class NatsTransport(Transport):
     def __init__(self, url: str = "nats://") -> None:
-        parts = urlsplit(url)
-        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        netloc = parts.netloc or "127.0.0.1:4222"
-        credentials, _, hosts = netloc.rpartition("@")
-        prefix = f"{parts.scheme}://{credentials + '@' if credentials else ''}"
-        self.servers = [prefix + host for host in hosts.split(",")]
-        self._display = redact_url(f"{parts.scheme}://{netloc}")
-        timeout = _take_option(query, "timeout", float, url)
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-        self._update_stream = bool(_take_option(query, "update_stream", _flag, url))
-        self._limits: dict[str, Any] = {}
-        """The URL's limits by StreamConfig field: a new stream's, or an existing one's
-        with ``update_stream``."""
-        for option, (field, convert) in _LIMIT_OPTIONS.items():
-            value = _take_option(query, option, convert, url)
-            if value is not None:
-                self._limits[field] = value
-        if query:
-            raise ValueError(f"unknown nats:// options {sorted(query)} in {redact_url(url)}")
+        options = parse_url(url)
+        self.servers = options.servers
+        self._display = options.display
+        self.timeout = options.timeout
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
-        self._ready: set[str] = set()
+        self._streams = StreamAdmin(
+            self._connect, options.display, options.limits, options.update_stream
+        )
         self._last_error = ""
         self._id_key = os.urandom(16)  # makes this publisher's message ids unguessable
         self._reconnects = 0
@@ -238,109 +154,8 @@ class NatsTransport(Transport):
         self._reconnects += 1  # reads send a new pull request: the last may be lost
         log.warning("kvbus: nats reconnected")
 
-    async def _stream(self, stream: str, *, wait: bool = False) -> str:
-        """The JetStream stream's name, created with the URL's limits (an existing one
-        changed to them only with ``update_stream``) once. On a server without
-        JetStream: `JetStreamUnavailable`, or with ``wait`` a wait until it has it."""
-        name = f"KVBUS_{stream}"
-        if stream in self._ready:
-            return name
-        js = await self._connect()
-        while True:
-            try:
-                info = await js.stream_info(name)
-            except nats.js.errors.ServiceUnavailableError as error:
-                await self._without_jetstream(js, error, wait)
-                continue  # JetStream answers now
-            except nats.js.errors.NotFoundError:
-                info = None
-            break
-        if info is not None:
-            await self._check_limits(js, name, info.config)
-        else:
-            config = {"storage": api.StorageType.FILE, **self._limits}
-            try:
-                await js.add_stream(name=name, subjects=[f"kvbus.{stream}.>"], **config)
-            except nats.js.errors.BadRequestError as refused:
-                # Created meanwhile by another client, with its own limits; or refused
-                # (a limit the server cannot meet), which leaves no stream to use.
-                try:
-                    existing = (await js.stream_info(name)).config
-                except nats.js.errors.NotFoundError:
-                    raise refused from None
-                await self._check_limits(js, name, existing)
-        self._ready.add(stream)
-        return name
-
-    async def _without_jetstream(
-        self, js: JetStreamContext, error: nats.js.errors.ServiceUnavailableError, wait: bool
-    ) -> None:
-        """After ``error`` from a JetStream API request: raise it unless JetStream is
-        missing altogether (`_jetstream_missing`); if it is, say so once per process and
-        raise `JetStreamUnavailable`, or with ``wait`` return once it answers."""
-        if not (_no_responders(error) and await self._jetstream_missing(js)):
-            raise error
-        message = (
-            f"{self._display} has no JetStream: start nats-server with -js "
-            "(or enable jetstream in its config)"
-        )
-        if self._display not in _no_jetstream_warned:
-            _no_jetstream_warned.add(self._display)
-            log.error("kvbus: %s", message)
-        if not wait:
-            raise JetStreamUnavailable(message) from None
-        while True:  # polled: nothing announces that a server has JetStream now
-            await asyncio.sleep(JETSTREAM_RECHECK)
-            if not await self._jetstream_missing(js):
-                break
-        log.warning("kvbus: %s has JetStream now", self._display)
-
-    @staticmethod
-    async def _jetstream_missing(js: JetStreamContext) -> bool:
-        """Whether no JetStream serves this connection's account: nobody answers the
-        account info request either (a JetStream server always answers that one
-        itself, even while a stream has no leader). Other errors are raised."""
-        try:
-            await js.account_info()
-        except nats.js.errors.ServiceUnavailableError as error:
-            if _no_responders(error):
-                return True
-            raise
-        return False
-
-    async def _check_limits(
-        self, js: JetStreamContext, name: str, existing: api.StreamConfig
-    ) -> None:
-        """An existing stream's limits against the URL's: changed to them with
-        ``update_stream``, else kept, the difference logged once."""
-        wanted = {k: v for k, v in self._limits.items() if getattr(existing, k, None) != v}
-        if not wanted:
-            return
-        if self._update_stream:
-            await js.update_stream(existing.evolve(**wanted))
-            log.warning(
-                "kvbus: nats stream %s on %s: limits changed to %s (update_stream=1)",
-                name,
-                self._display,
-                _describe_limits(wanted),
-            )
-            return
-        kept = _describe_limits({k: getattr(existing, k, None) for k in wanted})
-        asked = _describe_limits(wanted)
-        if (self._display, name, asked, kept) in _limits_kept_warned:
-            return
-        _limits_kept_warned.add((self._display, name, asked, kept))
-        log.warning(
-            "kvbus: nats stream %s on %s keeps its limits %s, not the URL's %s "
-            "(a stream's limits are set when it is created; add update_stream=1 to change them)",
-            name,
-            self._display,
-            kept,
-            asked,
-        )
-
     async def append(self, stream: str, records: Sequence[Record]) -> None:
-        await self._stream(stream, wait=True)
+        await self._streams.stream(stream, wait=True)
         js = await self._connect()
         assert self._nc is not None
         packs = make_packs(records, self._nc.max_payload - _HEADER_ROOM)
@@ -368,38 +183,8 @@ class NatsTransport(Transport):
         try:
             acked.result()
         except nats.js.errors.NoStreamResponseError:
-            await self._forget_if_deleted(stream)
+            await self._streams.forget_if_deleted(stream)
             raise
-
-    async def _forget_if_deleted(self, stream: str) -> None:
-        """After a publish no stream answered, create the stream again on the next
-        append if it was deleted.
-
-        In a cluster, nothing answers for seconds while a new leader is elected after
-        the stream leader's server died, and asking for the stream's info then waits out
-        the whole timeout: so ask briefly, and forget the stream only when JetStream says
-        it does not exist. A publisher retries; its packs go through once a leader is.
-        """
-        js = await self._connect()
-        try:
-            await self._probe(js, f"KVBUS_{stream}")
-        except nats.js.errors.NotFoundError:
-            self._ready.discard(stream)
-
-    @staticmethod
-    async def _probe(js: JetStreamContext, name: str) -> api.StreamState | None:
-        """The stream's state, or None when no leader answers now (a cluster electing
-        one): after a short wait, not the whole timeout."""
-        try:
-            async with asyncio.timeout(_PROBE_TIMEOUT):
-                return (await js.stream_info(name)).state
-        except (
-            TimeoutError,
-            nats.errors.NoRespondersError,
-            nats.js.errors.ServiceUnavailableError,
-        ) as error:
-            log.debug("kvbus: nats stream %s has no leader now: %r", name, error)
-            return None
 
     def _msg_id(self, subject: str, msg_id: str) -> str:
         """The same for every retry of a pack by this transport, unguessable by others."""
@@ -414,7 +199,7 @@ class NatsTransport(Transport):
     async def read_pages(
         self, stream: str, after: Position | None = None, *, follow: bool = False
     ) -> AsyncIterator[Sequence[Entry]]:
-        name = await self._stream(stream, wait=follow)
+        name = await self._streams.stream(stream, wait=follow)
         js = await self._connect()
         state = (await js.stream_info(name)).state
         end = state.last_seq
@@ -427,7 +212,11 @@ class NatsTransport(Transport):
             start, skip = split_position(int(after))
         if not follow and end < (start or state.first_seq or 1):
             return
-        async for page in self._read_pages(js, name, stream, start, skip, end, follow):
+        assert self._nc is not None
+        pages = read_pages(
+            self._nc, js, name, stream, start, skip, end, follow, lambda: self._reconnects
+        )
+        async for page in pages:
             yield page
 
     async def _snapshot_store(self, stream: str) -> Any:
@@ -438,7 +227,7 @@ class NatsTransport(Transport):
         except nats.js.errors.NotFoundError:
             return await js.create_object_store(bucket)
         except nats.js.errors.ServiceUnavailableError as error:
-            await self._without_jetstream(js, error, wait=False)
+            await self._streams.without_jetstream(js, error, wait=False)
             raise  # JetStream answered meanwhile: the caller tries again
 
     async def put_snapshot(self, stream: str, name: str, data: bytes) -> None:
@@ -459,7 +248,7 @@ class NatsTransport(Transport):
     async def position_at(self, stream: str, wall_time: float) -> Position | None:
         """From the first stored message at or after ``wall_time`` (the server's
         clock), found by a consumer that starts there."""
-        name = await self._stream(stream)
+        name = await self._streams.stream(stream)
         js = await self._connect()
         state = (await js.stream_info(name)).state
         start = datetime.datetime.fromtimestamp(wall_time, datetime.timezone.utc)
@@ -477,226 +266,14 @@ class NatsTransport(Transport):
         except nats.errors.TimeoutError:
             first = state.last_seq + 1  # nothing since: start with the next one
         finally:
-            await _quietly(sub.unsubscribe())
+            await quietly(sub.unsubscribe())
         if first <= max(state.first_seq, 1):
             return None  # all of the retained history is that recent
         return position(first - 1, _WHOLE_PACK)
-
-    async def _read_pages(
-        self,
-        js: JetStreamContext,
-        name: str,
-        stream: str,
-        start: int | None,
-        skip: int,
-        end: int,
-        follow: bool,
-    ) -> AsyncIterator[list[Entry]]:
-        """The stream's messages from ``start`` in order, through an ephemeral pull
-        consumer: one pull request at a time, so at most one request's messages wait in
-        this client (a push consumer keeps sending to a reader that fell behind until
-        nats-py's pending limit drops messages). Each message's delivery count is
-        checked; a skipped one (lost in a reconnect) recreates the consumer after the
-        last message read, so nothing is skipped silently."""
-        nc = self._nc
-        assert nc is not None
-        wake = asyncio.Event()
-        request_bytes = max(_PULL_BYTES, 2 * nc.max_payload)
-        request = _pull_request(request_bytes)
-
-        async def open_inbox() -> tuple[Subscription, collections.deque[Msg]]:
-            """A new inbox for each consumer: what a replaced consumer still sends
-            (messages, its "Consumer Deleted" status) goes to its own, unread."""
-            arrived: collections.deque[Msg] = collections.deque()
-
-            async def receive(msg: Msg) -> None:
-                arrived.append(msg)
-                wake.set()
-
-            sub = await nc.subscribe(
-                nc.new_inbox(),
-                cb=receive,
-                pending_msgs_limit=4 * _PULL_BATCH,
-                pending_bytes_limit=8 * request_bytes,
-            )
-            return sub, arrived
-
-        sub, arrived = await open_inbox()
-        consumer: str | None = None
-        delivered = 0  # the consumer's delivery count of the last message taken
-        pulling = False  # a pull request is in flight
-        taken = 0  # messages it brought so far
-        reconnects = self._reconnects
-        seen = (start or 1) - 1
-        prefix = f"kvbus.{stream}."
-        loop = asyncio.get_running_loop()
-        heard = loop.time()  # when the consumer last sent anything, heartbeats included
-        checked = heard  # when a read without follow last looked at the stream's end
-        patience = 2 * _HEARTBEAT  # how long to wait for the consumer before looking
-        try:
-            while True:
-                if consumer is None:
-                    if delivered or pulling:  # replacing one
-                        await _quietly(sub.unsubscribe())
-                        sub, arrived = await open_inbox()
-                    consumer = await self._pull_consumer(
-                        js, name, stream, seen + 1 if seen or start is not None else None
-                    )
-                    delivered, pulling, heard = 0, False, loop.time()
-                if not pulling or reconnects != self._reconnects:
-                    # The request in flight ended, or may have died with a connection.
-                    reconnects = self._reconnects
-                    await nc.publish(
-                        f"$JS.API.CONSUMER.MSG.NEXT.{name}.{consumer}",
-                        request,
-                        reply=sub.subject,
-                    )
-                    pulling, taken = True, 0
-                if not arrived:
-                    wake.clear()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(patience):
-                            await wake.wait()
-                    now = loop.time()
-                    if not arrived and now - heard > 2 * _HEARTBEAT:
-                        # Two heartbeats missed: the consumer died with its server (or
-                        # the stream's leader), or the request with a connection. Read
-                        # on with a new consumer as soon as the stream answers again
-                        # (a cluster electing a leader: asked every ~0.1-0.5 s).
-                        if await self._probe(js, name) is None:
-                            patience = 0.1
-                        else:
-                            log.info("kvbus: nats consumer of %s silent; a new one", name)
-                            consumer, patience = None, 2 * _HEARTBEAT
-                    elif not follow and now - checked > _IDLE_CHECK:
-                        # Messages up to the end may have been deleted meanwhile.
-                        checked = now
-                        state = await self._probe(js, name)
-                        if state is not None and (seen >= end or state.first_seq > end):
-                            return
-                    continue
-                heard = loop.time()
-                page: list[Entry] = []
-                while arrived:
-                    msg = arrived.popleft()
-                    if msg.headers and (status := msg.headers.get("Status")):
-                        if status == "100":
-                            continue  # a heartbeat: the consumer and the request live
-                        if status == "503" or "Deleted" in msg.headers.get("Description", ""):
-                            # Nobody serves the consumer: it died with its server, or
-                            # was removed after a long pause of this reader.
-                            log.info("kvbus: nats consumer of %s gone (%s)", name, status)
-                            consumer = None
-                            break
-                        if status == "409" and taken == 0:
-                            if "MaxBytes" in msg.headers.get("Description", ""):
-                                # The next message is larger than a request may bring.
-                                request_bytes *= 2
-                                request = _pull_request(request_bytes)
-                        pulling = False  # 404, 408, 409: the request ended
-                        continue
-                    sequence, consumer_sequence = _sequences(msg)
-                    if consumer_sequence != delivered + 1:
-                        log.info(
-                            "kvbus: nats read of %s skipped deliveries; resuming after %d",
-                            name,
-                            seen,
-                        )
-                        await _quietly(js.delete_consumer(name, consumer))
-                        consumer = None
-                        break
-                    delivered += 1
-                    taken += 1
-                    pulling = taken < _PULL_BATCH
-                    if start is not None and sequence > seen + 1 and seen == start - 1:
-                        log.warning(
-                            "kvbus: nats %s history lost: asked from %d, oldest retained %d",
-                            name,
-                            start,
-                            sequence,
-                        )
-                    # The subject's token is the source its publisher was allowed to
-                    # send as.
-                    sender = unquote(msg.subject[len(prefix) :])
-                    for position, data in entries_after(
-                        sequence, msg.data, skip if sequence == start else -1
-                    ):
-                        page.append(Entry(position, data, sender))
-                    seen = sequence
-                    if not follow and seen >= end:
-                        break
-                if page:
-                    yield page
-                if not follow and seen >= end:
-                    return
-        finally:
-            await _quietly(sub.unsubscribe())
-            if consumer is not None:
-                await _quietly(js.delete_consumer(name, consumer))
-
-    async def _pull_consumer(
-        self, js: JetStreamContext, name: str, stream: str, start: int | None
-    ) -> str:
-        """A new ephemeral pull consumer of the whole stream from ``start`` (None: the
-        oldest message), held in the server's memory: the reader keeps its position."""
-        consumer = f"kvbus-{os.urandom(8).hex()}"
-        await js.add_consumer(
-            name,
-            config=api.ConsumerConfig(
-                name=consumer,
-                deliver_policy=api.DeliverPolicy.ALL
-                if start is None
-                else api.DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=start,
-                ack_policy=api.AckPolicy.NONE,
-                filter_subject=f"kvbus.{stream}.>",
-                inactive_threshold=_CONSUMER_IDLE,
-                num_replicas=1,
-                mem_storage=True,
-            ),
-        )
-        return consumer
 
     async def aclose(self) -> None:
         if self._nc is not None:
             nc, self._nc, self._js = self._nc, None, None
             # close(), not drain(): every append already waited for its acks, and a
             # drain waits for subscriptions' queues that nobody empties any more.
-            await _quietly(nc.close())
-
-
-def _pull_request(max_bytes: int) -> bytes:
-    """A pull request's body: up to a batch of messages or ``max_bytes``, held by the
-    server while nothing is stored, with heartbeats meanwhile."""
-    return json.dumps(
-        {
-            "batch": _PULL_BATCH,
-            "max_bytes": max_bytes,
-            "expires": int(_PULL_EXPIRES * 1e9),
-            "idle_heartbeat": int(_HEARTBEAT * 1e9),
-        }
-    ).encode()
-
-
-def _sequences(msg: Msg) -> tuple[int, int]:
-    """A JetStream delivery's (stream sequence, consumer sequence), read from its reply
-    subject: ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>...``
-    (9 tokens), or with a domain and an account hash after ``ACK`` (11 or more). nats-py's
-    ``msg.metadata`` builds a datetime and three dataclasses: 2.7 µs against 0.4, a
-    fifth of a message's read. Any other subject takes nats-py's way (and its error)."""
-    tokens = (msg.reply or "").split(".")
-    if tokens[:2] == ["$JS", "ACK"]:
-        if len(tokens) == 9:
-            return int(tokens[5]), int(tokens[6])
-        if len(tokens) >= 11:
-            return int(tokens[7]), int(tokens[8])
-    metadata = msg.metadata
-    return metadata.sequence.stream, metadata.sequence.consumer
-
-
-async def _quietly(call: Any) -> None:
-    try:
-        async with asyncio.timeout(2):
-            await call
-    except Exception as error:
-        log.debug("kvbus: nats cleanup: %r", error)
+            await quietly(nc.close())
