@@ -5,26 +5,24 @@ stopped; and whether the bus is up, judged by the metrics stream's silence."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import kvbus
 from kvbus.events import LoadMetrics
+from kvbus.follow import Follower
 from kvbus.logs import LimitedLog, shown
 from kvbus.router import Router
 from kvbus.router_metrics import Metrics
 from kvbus.subscribe import Message, Resync
 from kvbus.transfers import ConnectorMetrics
-from kvbus.transports import BackendUnusable, open_transport
+from kvbus.transports import open_transport
 from kvbus.worker_names import RANK
 
 log = logging.getLogger("kvbus.router")
 _limited_log = LimitedLog(log)  # one line a second per kind: bus items may come in floods
-BACKEND_RECHECK: Final = 2.0
-"""Seconds between a bus read the backend cannot serve as set up and the next try."""
 MAX_ENGINE_RANKS: Final = 256
 """Engines (data-parallel ranks) of one worker taken from its endpoint at most."""
 _MAX_OTHER_SOURCES: Final = 64
@@ -87,22 +85,27 @@ class BusFollowers:
 
     async def follow_kv(self) -> None:
         """The kv stream's history (until it ends, then ready), then its live tail."""
-        cursor = await self._read(self.kv_stream, None, False, self.router.apply_kv, snapshot=True)
-        self.kv_replayed = True
-        await self._read(self.kv_stream, cursor, True, self.router.apply_kv)
+        async with self._follower(self.kv_stream, self.router.apply_kv, snapshot=True) as kv:
+            await kv.replay()
+            self.kv_replayed = True
+            await kv.follow()
 
     async def follow_connector(self) -> None:
         """The connector stream's retained history, then its live tail, into /metrics."""
         assert self.connector_metrics is not None and self.connector_stream
-        await self._read(self.connector_stream, None, True, self.connector_metrics.apply)
+        async with self._follower(self.connector_stream, self.connector_metrics.apply) as records:
+            await records.follow()
 
     async def follow_routes(self) -> None:
         """Other replicas' requests in flight, from now on (older ones are done or
         will be soon); a lost event is not worth waiting for."""
         assert self.routes_stream
-        await self._read(
-            self.routes_stream, "latest", True, self.router.apply_routes, 0, known=lambda _: True
-        )
+        routes = self._follower(
+            self.routes_stream, self.router.apply_routes, start="latest", gap_timeout=0,
+            accept=lambda _: True,
+        )  # fmt: skip
+        async with routes:
+            await routes.follow()
 
     async def follow_metrics(self) -> None:
         """The metrics stream from ``stale_after`` seconds ago (older records would be
@@ -122,11 +125,15 @@ class BusFollowers:
             age = time.time() - item.ts if isinstance(item, Message) else 0.0
             self._apply_load(item, age)
 
-        cursor = kvbus.Cursor(position)
-        heard = self._heard_on_bus
-        cursor = await self._read(self.metrics_stream, cursor, False, apply_aged, 0, known=heard)
-        self.load_read = True
-        await self._read(self.metrics_stream, cursor, True, self._apply_load, 0, known=heard)
+        loads = self._follower(
+            self.metrics_stream, apply_aged, start=kvbus.Cursor(position), gap_timeout=0,
+            accept=self._heard_on_bus,
+        )  # fmt: skip
+        async with loads:
+            await loads.replay()
+            self.load_read = True
+            loads.apply = self._apply_load
+            await loads.follow()
 
     def _apply_load(self, item: Message | Resync, age: float = 0.0) -> None:
         if isinstance(item, Message) and isinstance(item.body, LoadMetrics):
@@ -144,54 +151,29 @@ class BusFollowers:
         self._bus_heard = time.monotonic()
         return self._known(source)
 
-    async def _read(
+    def _follower(
         self,
         stream: str,
-        cursor: kvbus.Cursor | Literal["latest"] | None,
-        follow: bool,
         apply: Callable[[Message | Resync], None],
-        gap_timeout: float | None = None,
         *,
-        snapshot: bool = False,
-        known: Callable[[str], bool] | None = None,
-    ) -> kvbus.Cursor:
-        """Apply ``stream`` from ``cursor`` (to its end, or for good with ``follow``),
-        only the items of sources ``known`` (default: configured workers); after a
-        failure, resume where it stopped (so nothing is applied twice). Returns the
-        cursor after the end."""
-        known = known or self._known
-        options: dict[str, Any] = {"snapshot": snapshot}
-        if gap_timeout is not None:
-            options["gap_timeout"] = gap_timeout
-        while True:
-            sub = kvbus.subscribe(stream, self.url, cursor=cursor, follow=follow, **options)
-            try:
-                async with sub:
-                    async for item in sub:
-                        if not known(item.source):
-                            continue
-                        try:
-                            apply(item)
-                        except Exception:  # one bad item must not stop the router
-                            self.metrics.bad_items.inc()
-                            _limited_log.exception(
-                                "apply",
-                                "could not apply %s item from %s",
-                                stream,
-                                shown(item.source),
-                            )
-                return sub.cursor
-            except asyncio.CancelledError:
-                raise
-            except BackendUnusable:
-                # The transport said once what to change (NATS without JetStream); the
-                # router waits for the operator quietly, routing by the engines' load.
-                cursor = sub.cursor
-                await asyncio.sleep(BACKEND_RECHECK)
-            except Exception:
-                log.exception("following %s failed; again in 1 s", stream)
-                cursor = sub.cursor
-                await asyncio.sleep(1)
+        accept: Callable[[str], bool] | None = None,
+        **options: Any,
+    ) -> Follower:
+        """A reader of ``stream`` into ``apply``, of the items of sources ``accept``
+        takes (default: configured workers); one bad item is counted and logged, not
+        fatal; after a failure it resumes where it stopped (nothing applied twice)."""
+
+        def bad_item(item: Message | Resync, _error: Exception) -> None:
+            # One bad item must not stop the router.
+            self.metrics.bad_items.inc()
+            _limited_log.exception(
+                "apply", "could not apply %s item from %s", stream, shown(item.source)
+            )
+
+        return Follower(
+            stream, self.url, apply, accept=accept or self._known, on_bad_item=bad_item,
+            retry_log=log, **options,
+        )  # fmt: skip
 
     def _known(self, source: str) -> bool:
         """Whether ``source`` is a configured worker's (``NAME`` or ``NAME/dpN``);

@@ -22,6 +22,7 @@ from typing import Final
 
 from kvbus.config import resolve_stream, resolve_url
 from kvbus.events import AllBlocksCleared, KVEventBatch, SourceStarted, encode
+from kvbus.follow import Follower
 from kvbus.logs import LimitedLog, shown
 from kvbus.shutdown import cancel_sticks, raise_if_cancelling
 from kvbus.snapshot import (
@@ -32,7 +33,7 @@ from kvbus.snapshot import (
     SourceFold,
     encode_snapshot,
 )
-from kvbus.subscribe import Cursor, Message, Resync, ResyncReason, Subscription, subscribe
+from kvbus.subscribe import Cursor, Message, Resync, ResyncReason
 from kvbus.transports import Transport, open_transport
 
 log = logging.getLogger("kvbus.compact")
@@ -140,36 +141,34 @@ class Compactor:
         self.folds.clear()  # the snapshots the subscription starts from rebuild them
         self._changed.clear()  # and mark their sources changed again
         self._writing = asyncio.Lock()  # of this run's event loop
-        sub = subscribe(
-            self.stream, self.url, snapshot=True, follow=follow, transport=self._transport
-        )
-        timer = cancel_sticks(self._write_on_time(sub), name=f"kvbus-compact-{self.stream}")
+        # The timer's write takes the cursor, then stores the folds: they must stay as
+        # they were until it is done (`pause`). A bad item is an error; so is a failure
+        # of the bus. The snapshots are written through the subscription's transport.
+        reader = Follower(
+            self.stream, self.url, self.apply, snapshot=True, pause=self._writing,
+            transport=self._transport,
+        )  # fmt: skip
+        timer = cancel_sticks(self._write_on_time(reader), name=f"kvbus-compact-{self.stream}")
         try:
-            async for item in sub:
-                if self._writing.locked():
-                    # The timer's write took the cursor before this item was yielded:
-                    # the folds must stay as they were until it is done.
-                    async with self._writing:
-                        pass
-                self.apply(item)
+            await (reader.follow() if follow else reader.replay())
             async with self._writing:  # no write in flight: the timer is only waiting
                 timer.cancel()
-                await self._write_changes(sub.cursor)
+                await self._write_changes(reader.cursor)
         except asyncio.CancelledError:
-            await self._write_last(timer, sub)
+            await self._write_last(timer, reader)
             raise
         finally:
             timer.cancel()
-            await sub.aclose()
+            await reader.aclose()
 
-    async def _write_on_time(self, sub: Subscription) -> None:
+    async def _write_on_time(self, reader: Follower) -> None:
         """Every ``interval`` seconds, write what changed (the cursor taken with no
         item between its yield and its fold: see `run`)."""
         while True:
             await asyncio.sleep(self.interval)
             async with self._writing:
                 try:
-                    await self._write_changes(sub.cursor)
+                    await self._write_changes(reader.cursor)
                 except Exception as error:  # a server down, a refusal: retried next time
                     raise_if_cancelling()  # a client library can turn a cancel into this
                     self.write_errors += 1
@@ -181,7 +180,7 @@ class Compactor:
                         self.interval,
                     )
 
-    async def _write_last(self, timer: asyncio.Task[None], sub: Subscription) -> None:
+    async def _write_last(self, timer: asyncio.Task[None], reader: Follower) -> None:
         """On a cancel: stop the timer and write what changed, within
         `LAST_WRITE_WITHIN` seconds, in a task of its own (this one is being cancelled:
         a client library may refuse to start a command in it). Never raises."""
@@ -190,7 +189,7 @@ class Compactor:
             timer.cancel()
             await asyncio.wait([timer])  # a write it was making is undone: done again here
             if self.changed:
-                await self._write_changes(sub.cursor)
+                await self._write_changes(reader.cursor)
 
         last = cancel_sticks(stop_timer_then_write(), name=f"kvbus-compact-last-{self.stream}")
         try:

@@ -75,10 +75,11 @@ from typing import Any, Final
 from aiohttp import web, web_log
 
 import kvbus
-from kvbus.bus_followers import BACKEND_RECHECK, BusFollowers
+from kvbus.bus_followers import BusFollowers
 from kvbus.bus_watch import ENGINE_METRICS_MAX_BYTES, BusWatch, engine_loads
 from kvbus.config import command_url, redact_url
 from kvbus.envelope import Kind
+from kvbus.follow import BACKEND_RECHECK
 from kvbus.router import CostWeights, Policy, Router
 from kvbus.router_http import RouterHTTP, error_body
 from kvbus.router_metrics import UNREPORTED, Metrics, Unreported

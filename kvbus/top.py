@@ -40,9 +40,10 @@ from kvbus.fleet_view import (
     TopReport,
     WorkerView,
 )
+from kvbus.follow import Follower
 from kvbus.logs import MAX_SHOWN_NAME, LimitedLog, displayable, shown, terminal_safe_json
 from kvbus.metrics import add_counts
-from kvbus.subscribe import Cursor, Item, Resync, ResyncReason, SubscriptionStats, subscribe
+from kvbus.subscribe import Cursor, Item, Resync, ResyncReason, Subscription, SubscriptionStats
 from kvbus.transports import open_transport
 
 if TYPE_CHECKING:
@@ -134,24 +135,31 @@ class Watcher:
         finally:
             await transport.aclose()
 
-    async def _read(self, which: str, cursor: Cursor | None, **options: Any) -> Cursor:
-        stream = self.options.kv_stream if which == "kv" else self.options.metrics_stream
-        apply = self.fleet.apply_kv if which == "kv" else self.fleet.apply_metrics
-        sub = subscribe(stream, self.options.url, cursor=cursor, **options)
-        self.stats[which].append(sub.stats)
-        snapshots = SnapshotDeliveries(sub.stats) if options.get("snapshot") else None
-        async with sub:
-            async for item in sub:
-                try:
-                    if snapshots is not None:
-                        self.fleet.apply_kv(item, snapshots.came_from_snapshot(item))
-                    else:
-                        apply(item)
-                except Exception as error:  # one bad item must not stop the view
-                    self.fleet.bad_items += 1
-                    source = shown(item.source)
-                    _limited.warning("bad_item", "kvbus top: skipped %s's item: %r", source, error)
-        return sub.cursor
+    async def _read(
+        self, which: str, cursor: Cursor | None, *, follow: bool, **options: Any
+    ) -> Cursor:
+        """``which`` stream from ``cursor`` to its end, or for good with ``follow`` (a
+        failure of the bus is raised)."""
+        kv = which == "kv"
+        stream = self.options.kv_stream if kv else self.options.metrics_stream
+        apply = self.fleet.apply_kv if kv else self.fleet.apply_metrics
+        reader = Follower(
+            stream, self.options.url, apply, start=cursor, on_bad_item=self._skip, **options
+        )
+
+        def opened(sub: Subscription) -> None:
+            self.stats[which].append(sub.stats)
+            if reader.snapshot:  # the fleet marks what stored snapshots delivered
+                came_from_snapshot = SnapshotDeliveries(sub.stats).came_from_snapshot
+                reader.apply = lambda item: self.fleet.apply_kv(item, came_from_snapshot(item))
+
+        reader.on_open = opened
+        async with reader:
+            return await (reader.follow() if follow else reader.replay())
+
+    def _skip(self, item: Item, error: Exception) -> None:
+        self.fleet.bad_items += 1  # one bad item must not stop the view
+        _limited.warning("bad_item", "kvbus top: skipped %s's item: %r", shown(item.source), error)
 
     def stream_view(self, which: str) -> StreamView:
         name = self.options.kv_stream if which == "kv" else self.options.metrics_stream
