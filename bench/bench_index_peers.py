@@ -41,7 +41,7 @@ Memory: RSS growth while storing, per stored (worker, block), in the first run (
 ones reuse the memory it freed). Medians over --repeats (a fresh index each), range in
 brackets.
 
-``--against REV`` adds rows for kvbus/index.py as of git revision REV, taking turns
+``--against REV`` adds rows for kvbus/index.py (and its parts) as of git revision REV, taking turns
 with the current one (before/after on the same noise).
 
 Run: python bench/bench_index_peers.py [--workers 1000] [--repeats 5] [--against REV]
@@ -426,11 +426,38 @@ def keys_hashed_before(index_class: Any, stored: list[tuple[Step, Any]]) -> Any:
     return build
 
 
+INDEX_PARTS = ("index_keys", "index_holders", "index_feed", "index_match")
+"""The modules kvbus/index.py imports its parts from (since the issue-30 split), in
+the order they import each other."""
+
+
 def index_at(revision: str) -> Any:
-    """``PrefixIndex`` as kvbus/index.py was at git ``revision`` (the rest of kvbus as now)."""
+    """``PrefixIndex`` as kvbus/index.py and its parts (`INDEX_PARTS`, where the revision
+    has them) were at git ``revision``, the rest of kvbus as now. Each part is put in
+    place of the current one while the next ones load, so they import each other as of
+    ``revision``."""
     from bench_core import module_at  # this script's directory
 
-    return module_at(revision, "kvbus/index.py").PrefixIndex
+    import kvbus
+
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", revision, "kvbus/"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    parts = [name for name in INDEX_PARTS if f"kvbus/{name}.py" in listed]
+    saved = {name: sys.modules[f"kvbus.{name}"] for name in parts}  # as kvbus.index imports
+    try:
+        for name in parts:
+            part = module_at(revision, f"kvbus/{name}.py")
+            sys.modules[f"kvbus.{name}"] = part
+            setattr(kvbus, name, part)
+        return module_at(revision, "kvbus/index.py").PrefixIndex
+    finally:
+        for name, module in saved.items():
+            sys.modules[f"kvbus.{name}"] = module
+            setattr(kvbus, name, module)
 
 
 def main() -> None:
@@ -442,7 +469,7 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="REV",
-        help="also kvbus/index.py as of these git revisions (before/after)",
+        help="also kvbus/index.py (and its parts) as of these git revisions (before/after)",
     )
     parser.add_argument(
         "--dynamo-any-core",

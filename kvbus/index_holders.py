@@ -167,9 +167,9 @@ class _Worker:
 
 class _Holders:
     """The index's state: the workers, their numbers (bits of the holder masks) and
-    the masks, the keyings in use, and what was skipped (counted); with the reads of
-    it that neither feed nor match. `PrefixIndex` is this, fed (`kvbus.index_feed`)
-    and queried (`kvbus.index_match`)."""
+    the masks, the keyings in use, and what was skipped (counted); and its plain reads
+    (who holds what, how many copies, the turnover). `PrefixIndex` is this state, fed
+    (`kvbus.index_feed`) and queried (`kvbus.index_match`)."""
 
     def __init__(
         self,
