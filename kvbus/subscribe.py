@@ -92,7 +92,6 @@ from kvbus.events import (
     decode_packed_kv_batch,
     decode_routes,
 )
-from kvbus.kernels import kernels
 from kvbus.logs import LimitedLog, shown
 from kvbus.retry import retry_forever
 from kvbus.sequencer import (
@@ -325,6 +324,9 @@ class Subscription:
         self._arrivals = 0
         self._undecoded = _UndecodedBatch(self.stats, self.stream)
         self._delivered_undecoded = 0
+        # `_eager`'s decision, and the counts it was taken at.
+        self._decode_eagerly = False
+        self._handed_then = self._read_then = 0
         # Pages of entries read ahead by the reader task, each with the position read
         # before it. A deque and two events rather than an asyncio.Queue: a replay
         # moves hundreds of thousands of entries per second.
@@ -512,18 +514,30 @@ class Subscription:
                             self._inbox_drained.clear()
                             await self._inbox_drained.wait()
 
+    def _eager(self) -> bool:
+        """Whether to decode this slice's KV bodies as they are checked (one msgspec pass
+        instead of a check now and a decode when the consumer reads ``body``).
+
+        Nothing of the last slice waits in ``_ready``: if the consumer read the body of
+        every message delivered undecoded since the last decision, it reads them all;
+        while none has been delivered undecoded since, the decision stands. (Since the
+        last decision, not since the start: a consumer that let one body go unread, as a
+        warm-up read does, still gets the rest decoded at once.)"""
+        handed, read = self._delivered_undecoded, self._undecoded.read
+        if handed != self._handed_then:
+            self._decode_eagerly = read - self._read_then == handed - self._handed_then
+            self._handed_then, self._read_then = handed, read
+        return self._decode_eagerly
+
     def _ingest_page(self) -> None:
         """Ingest the next slice of the current page (a slice: so that what waits in
         ``_ready`` stays small however large the transport's pages are).
 
-        Most entries are a source's next KV message with no gap open, and most come in
-        runs: a publisher appends what it has queued as one pack, one source's seqs in
-        order. A run is made into messages in C (`kvbus.kernels` ``kv_run``), leaving
-        only the source's state to check, once per run (`Sequencer.accept_run`). An
-        entry that begins no run takes the inlined per-entry path below (every check of
-        `_open` and `Sequencer.receive` that can apply to it, in one expression, and no
-        holding back), and anything either path doubts goes through `_open` and
-        `Sequencer.receive`. All three deliver alike (tests/test_subscribe_runs.py).
+        Most entries are a source's next KV message with no gap open: those take the
+        inlined path below (every check of `_open` and `Sequencer.receive` that can
+        apply to it, in one expression, and no holding back), and anything it doubts
+        goes through `_open` and `Sequencer.receive`. Both deliver alike
+        (tests/test_subscribe_fast_path.py).
         """
         page, start = self._page, self._page_index
         stop = min(len(page), start + _SLICE)
@@ -531,62 +545,23 @@ class Subscription:
         order = self._arrivals
         horizon = self._horizon()
         sequencer = self._sequencer
-        states, sources, ready = sequencer.states, self.sources, self._ready
+        states, sources = sequencer.states, self.sources
         max_bytes, undecoded = self._max_message_bytes, self._undecoded
-        # Nothing of the last slice waits in _ready: if the consumer read every body
-        # delivered undecoded so far, it reads them all; decode this slice's at once.
-        eager = 0 < self._delivered_undecoded == undecoded.read
+        eager = self._eager()
         body: Body | _UndecodedBatch = undecoded
         # A consumer that reads batches packed gets them packed by the check itself.
         packing = not eager and undecoded.packed_read > 0
         packed: Any = None
         delivered = 0
         # Bound once: this loop runs for every message.
-        decode, check, append, kv, kv_run, advance = (
+        decode, check, append, kv, advance = (
             ENVELOPE_DECODER.decode,
             KV_BATCH_SHAPE.decode,
-            ready.append,
+            self._ready.append,
             Kind.KV,
-            kernels.kv_run,
             sequencer.advance,
         )
-        entries = page[start:stop]
-        count = len(entries)
-        # The KV batches vouched for in C, in one pass over the slice: msgspec checks
-        # only the rest. (Decoding a batch, eagerly or packed, checks it too.)
-        vouched_for = bytes(count)
-        if not eager and not packing:
-            vouched_for = kernels.plain_kv_envelopes([entry.data for entry in entries])
-        index = 0
-        per_entry_until = 0  # a run refused below: its entries take the per-entry path
-        while index < count:
-            if index >= per_entry_until and vouched_for[index]:
-                # One source's run of plain KV batches, made into messages in C: only
-                # its state is left to check, once for the run (see `kv_run`).
-                run = kv_run(
-                    entries, index, vouched_for, max_bytes, SCHEMA_VERSION,
-                    Message, kv, body, order, previous,
-                )  # fmt: skip
-                if run is not None:
-                    source, epoch, first, items = run
-                    last = first + len(items) - 1
-                    state = (
-                        sequencer.accept_run(source, epoch, first, last)
-                        if (sources is None or source in sources)
-                        and last <= (horizon - epoch) // _NS_PER_SEQ + 1
-                        else None
-                    )
-                    if state is not None:
-                        ready.extend(items)
-                        index += len(items)
-                        delivered += len(items)
-                        order += len(items)
-                        previous = items[-1][0].position
-                        advance(state, last, order - 1, previous)
-                        continue
-                    per_entry_until = index + len(items)
-            entry, vouched = entries[index], vouched_for[index]
-            index += 1
+        for entry in page[start:stop]:
             position = entry.position
             data = entry.data
             try:
@@ -614,7 +589,7 @@ class Subscription:
                         if packed is None:
                             check(envelope.payload)  # see `check_kv_batch`
                             packed = False
-                    elif not vouched:
+                    else:
                         check(envelope.payload)  # see `check_kv_batch`
                     advance(state, envelope.seq, order, position)
                     message = Message(
@@ -644,7 +619,7 @@ class Subscription:
         if not eager:
             self._delivered_undecoded += delivered
         self._arrivals = order
-        sequencer.read_live(count)
+        sequencer.read_live(stop - start)
         self._page_index = stop
         self._page_previous = self._read_position = previous
 
