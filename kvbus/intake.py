@@ -38,8 +38,11 @@ MAX_SOURCE_LENGTH: Final = 200
 NS_PER_SEQ: Final = 100
 """A seq is plausible only if a publisher sending one message per 100 ns since its epoch
 began (10M/s, far beyond any real one) could have reached it."""
-SLICE: Final = 256
-"""Entries of a page ingested at a time."""
+SLICE: Final = 64
+"""Entries of a page ingested at a time: few enough that the batches a slice decodes for a
+consumer that reads every body (`PageIngest._eager`) are still in the CPU's cache when it
+reads them (256 cost it 15-20% of its batches/s; the other consumers see no difference:
+BENCHMARKS.md, "Issue 30: the subscriber's C path")."""
 _MALFORMED: Final = object()
 _KINDS: Final = {kind.value: kind for kind in Kind}
 

@@ -11,6 +11,7 @@ from kvbus.transports.packing import make_packs
 
 import kvbus
 from kvbus.events import KVEventBatch, decode_kv_batch
+from kvbus.subscribe import _SLICE as SLICE
 from kvbus.subscribe import Message, Resync, ResyncReason
 
 from .conftest import append_raw, collect, envelope, kv_payload, seqs, take_then_close
@@ -193,7 +194,7 @@ async def test_a_consumer_that_reads_bodies_gets_them_decoded_as_they_are_checke
     """Once the consumer has read the body of every batch delivered undecoded since the
     subscriber last looked, the next ones come decoded (one decode, no separate check),
     even when it let an earlier body go unread (a warm-up read, a skipped message)."""
-    slice_ = 256
+    slice_ = SLICE
     await append_raw(memory_url, [envelope("a", EPOCH, s) for s in range(1, 4 * slice_ + 1)])
     sub = kvbus.subscribe(url=memory_url, follow=False)
     decoded_on_arrival = []
