@@ -12,8 +12,6 @@ kvbus rows, on ``memory://`` and ``redis://`` (a real redis-server on a free por
   each batch checked to decode (the body itself is decoded when first read);
 * the same with the consumer reading every ``item.body`` (most consumers) or
   ``item.packed_events`` (as the prefix index does);
-* the same with kvbus's Python kernels (as without a C compiler at install): msgspec
-  checks each batch rather than ``kvbus/_ckernels.c``'s ``plain_kv_envelopes``;
 * live following: ``subscribe()`` on the live tail while the stream is appended to in
   the same event loop (512 envelopes per append, as a publisher's sender under load).
 
@@ -28,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import importlib
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,7 +44,6 @@ from kvbus.transports import Record, open_transport
 import kvbus
 from bench.bench_core import batch16
 from bench.bench_transports import _VolatileRedis, repeat
-from kvbus import _kernels
 from kvbus.envelope import Envelope, Kind, encode_envelope
 from kvbus.events import encode
 
@@ -186,20 +180,6 @@ async def subscribe_live(url: str, records: list[Record], read: str) -> Rate:
     return rate
 
 
-@contextlib.contextmanager
-def python_kernels() -> Iterator[None]:
-    """The subscriber with kvbus/_kernels.py, as where the C kernels did not build (or
-    ``KVBUS_PURE_PYTHON=1``): msgspec checks every KV batch, as before issue 14's C
-    check."""
-    module = importlib.import_module("kvbus.subscribe")  # kvbus.subscribe: the function
-    saved = module.kernels
-    module.kernels = _kernels
-    try:
-        yield
-    finally:
-        module.kernels = saved
-
-
 def table(title: str, rows: dict[str, list[Rate]], baseline: str) -> None:
     """Medians (wall clock and CPU time), their ratios to ``baseline``'s, and the wall
     rate's to the subscriber's before issue 14."""
@@ -229,12 +209,6 @@ def kvbus_rows(
             rows,
             f"kvbus {name} subscribe(follow=False){suffix}",
             lambda r=read: asyncio.run(subscribe_replay(url, stream, n, r)),
-        )
-    with python_kernels():
-        repeat(
-            rows,
-            f"kvbus {name} subscribe(follow=False), Python kernels",
-            lambda: asyncio.run(subscribe_replay(url, stream, n, "")),
         )
     for read, suffix in reads:
         repeat(

@@ -1,5 +1,5 @@
-"""The per-item loops of `PrefixIndex` and of the subscriber's check, in Python: the
-reference for ``kvbus/_ckernels.c`` (built at install where a C compiler is found) and
+"""The per-item loops of `PrefixIndex`, in Python: the reference for
+``kvbus/_ckernels.c`` (built at install where a C compiler is found) and
 the fallback where it is not, or where ``KVBUS_PURE_PYTHON=1`` (`kvbus.kernels` picks).
 The index's take and change its own dicts, with the same results
 (tests/test_index_kernels.py checks the two against each other)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, cast
+from collections.abc import Iterable, Sequence
+from typing import Final, cast
 
 import msgspec
 
@@ -26,40 +26,6 @@ def packed_token_bytes(packed: bytes | msgspec.Raw) -> bytes:
     sent: ``msgspec.Raw``), as native uint32: ValueError (msgspec's) when it is not
     exactly that, else OverflowError for an id below 0 or past 32 bits."""
     return token_bytes(_token_ids.decode(packed))
-
-
-def plain_kv_envelopes(datas: Sequence[bytes]) -> bytes:
-    """A byte per entry of ``datas``: 1 where, if msgspec decodes the envelope, its
-    payload is one `kvbus.events.check_kv_batch` accepts; 0 where that may not be so,
-    and the caller asks msgspec. The C kernel vouches for the envelopes and batches as
-    kvbus and engines write them (its walk costs about half of msgspec's); this one
-    vouches for none, leaving the whole check to msgspec, as fast as Python gets."""
-    return bytes(len(datas))
-
-
-def kv_run(
-    entries: Sequence[Any],
-    start: int,
-    vouched: bytes,
-    max_bytes: int,
-    schema_version: int,
-    message: Callable[..., Any],
-    kind: int,
-    body: object,
-    order: int,
-    previous: object,
-) -> tuple[str, int, int, list[tuple[Any, int, Any]]] | None:
-    """The subscriber's messages for a run of ``entries`` from ``start``: one source's
-    KV batches of one epoch, seqs consecutive, each vouched for (``vouched``, from
-    `plain_kv_envelopes`), at most ``max_bytes``, a schema no newer than
-    ``schema_version``, no gap marker, sent by that source or by no one the backend
-    knows (``Entry.sender``). Returns (source, epoch, first seq, items), each item
-    ``(message(source, epoch, seq, kind, ts, body, payload, position, None), order,
-    previous position)`` as the subscriber's per-entry path queues it, orders counting
-    from ``order``; or None: no run starts there, that path decides. The caller checks
-    what only it knows (the source's state) once per run. This one finds no runs (none
-    is vouched for here): every entry takes the per-entry path."""
-    return None
 
 
 KEY_PERSON: Final = b"kvbus.key.v1"

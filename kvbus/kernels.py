@@ -1,7 +1,6 @@
 """The per-item loops in use: ``kvbus._ckernels`` (C, built at install where a compiler
 is found) unless it is missing or ``KVBUS_PURE_PYTHON=1``, else ``kvbus._kernels`` (the
-same loops in Python, with the same results: about 2.2x slower to apply index events,
-and a subscriber's delivery of KV batches about 2-3x slower)."""
+same loops in Python, with the same results: about 2.2x slower to apply index events)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from kvbus.transports.packing import make_packs
 
 import kvbus
 from kvbus.events import KVEventBatch, decode_kv_batch
+from kvbus.subscribe import _SLICE as SLICE
 from kvbus.subscribe import Message, Resync, ResyncReason
 
 from .conftest import append_raw, collect, envelope, kv_payload, seqs, take_then_close
@@ -160,3 +161,50 @@ async def test_an_event_with_a_string_that_is_not_utf8_is_skipped_when_read(
     assert isinstance(message, Message)
     assert message.body == KVEventBatch(1.0, [kvbus.AllBlocksCleared()])
     assert sub.stats.skipped_events == 1 and sub.stats.malformed == 1
+
+
+async def test_a_subscription_checks_every_kv_batch_it_delivers(memory_url: str) -> None:
+    """Batches msgspec refuses (or nests too deep) are MALFORMED resyncs, wherever in the
+    page they land; ones it accepts (an unknown event with an ext value) are delivered.
+    (Moved from tests/test_kv_check_kernel.py, where it ran with either kernel: the
+    subscriber's C check is gone, msgspec checks every batch.)"""
+    ext = msgspec.msgpack.encode(
+        [1.5, [{"type": "AllBlocksCleared", "x": msgspec.msgpack.Ext(1, b"")}]]
+    )
+    payloads: list[bytes | None] = [None, ext, b"\x92\xcb" + bytes(8) + b"\x91\xc1", None]
+    payloads += [b"\x92\xcb" + bytes(8) + b"\x91" * 3000 + b"\xc0", None]
+    # 600 messages: the bad ones land in the first and the last slice of the page.
+    data = [envelope("a", EPOCH, seq, p) for seq, p in enumerate(payloads, 1)]
+    data += [envelope("a", EPOCH, seq) for seq in range(len(data) + 1, 600)]
+    data.append(envelope("a", EPOCH, 600, b"\x93\xcb" + bytes(8) + b"\x90\xc4"))
+    await append_raw(memory_url, data)
+    items, sub = await collect(memory_url)
+    assert seqs(items) == [1, 2, 4, *range(6, 600)]
+    lost = [i.lost for i in items if isinstance(i, Resync)]
+    assert lost == [(3, 3), (5, 5), (600, 600)]
+    assert all(i.reason is ResyncReason.MALFORMED for i in items if isinstance(i, Resync))
+    assert sub.stats.malformed == 3 and sub.stats.delivered == 597
+    second = items[1]
+    assert isinstance(second, Message) and len(second.body.events) == 1  # type: ignore[union-attr]
+
+
+async def test_a_consumer_that_reads_bodies_gets_them_decoded_as_they_are_checked(
+    memory_url: str,
+) -> None:
+    """Once the consumer has read the body of every batch delivered undecoded since the
+    subscriber last looked, the next ones come decoded (one decode, no separate check),
+    even when it let an earlier body go unread (a warm-up read, a skipped message)."""
+    slice_ = SLICE
+    await append_raw(memory_url, [envelope("a", EPOCH, s) for s in range(1, 4 * slice_ + 1)])
+    sub = kvbus.subscribe(url=memory_url, follow=False)
+    decoded_on_arrival = []
+    async for item in sub:
+        assert isinstance(item, Message)
+        decoded_on_arrival.append(item.decoded)
+        if item.seq > 1:  # the first body is never read
+            assert isinstance(item.body, KVEventBatch)
+    await sub.aclose()
+    # Slice 1 and 2 undecoded (slice 1's first body was not read when slice 2 began),
+    # then decoded as checked.
+    assert decoded_on_arrival == [False] * 2 * slice_ + [True] * 2 * slice_
+    assert sub.stats.delivered == 4 * slice_ and sub.stats.malformed == 0

@@ -137,5 +137,5 @@ async def test_read_ahead_is_bounded_in_bytes(memory_url: str) -> None:
     sub = kvbus.subscribe(url=memory_url, follow=False)
     await sub.__anext__()  # starts the reader; then the consumer stalls
     await asyncio.sleep(0.5)
-    assert 0 < sub._inbox_bytes <= 65 * 2**20
+    assert 0 < sub._read_ahead.size <= 65 * 2**20
     await sub.aclose()
