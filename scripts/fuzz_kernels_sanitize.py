@@ -251,9 +251,9 @@ def check_index_payloads(k: ModuleType, rng: random.Random) -> None:
     """A PrefixIndex fed the same (mutated) payloads on either kernel ends the same."""
     payloads = [maybe_mutated(payload(rng), rng, 0.3, b"") for _ in range(rng.randint(1, 8))]
     states = []
-    in_use, block_size = kvbus.index.kernels, rng.choice([None, 4, 16])
+    block_size = rng.choice([None, 4, 16])
     for kernels in (k, _kernels):
-        kvbus.index.kernels = kernels
+        in_use = kvbus.index.use_kernels(kernels)
         try:
             index = PrefixIndex(block_size)
             results = [outcome(lambda: index.apply_payload("w", p)) for p in payloads]  # noqa: B023
@@ -261,7 +261,7 @@ def check_index_payloads(k: ModuleType, rng: random.Random) -> None:
             states.append((results, dict(index._masks), queries, index.malformed,
                            index.unchained, index.unknown_removals))  # fmt: skip
         finally:
-            kvbus.index.kernels = in_use
+            kvbus.index.use_kernels(in_use)
     same("PrefixIndex.apply_payload", states[0], states[1], payloads)
 
 
