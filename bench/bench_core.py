@@ -31,18 +31,33 @@ from typing import Any
 import msgspec
 
 import kvbus
-from kvbus.events import BlockStored, KVEventBatch, encode
+from kvbus._moved import MOVED
+from kvbus.wire.events import BlockStored, KVEventBatch, encode
 
 
 def module_at(revision: str, path: str) -> types.ModuleType:
     """The module in file ``path`` of this repository as of git ``revision``, the rest of
     kvbus as now: a before/after row in the same run, on the same noise."""
-    source = subprocess.run(
-        ["git", "-C", str(Path(__file__).resolve().parents[1]), "show", f"{revision}:{path}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    repo = str(Path(__file__).resolve().parents[1])
+    shown = subprocess.run(
+        ["git", "-C", repo, "show", f"{revision}:{path}"], capture_output=True, text=True
+    )
+    if shown.returncode != 0:
+        # A revision from before the subpackages (kvbus 0.2): the module's flat path.
+        # Its imports of other moved modules resolve through kvbus._moved's old names;
+        # ``kvbus.subscribe`` is the function there, so its module is named anew.
+        new = path.removesuffix(".py").replace("/", ".")
+        old = {moved: was for was, moved in MOVED.items()}.get(new, new)
+        path = old.replace(".", "/") + ".py"
+        shown = subprocess.run(
+            ["git", "-C", repo, "show", f"{revision}:{path}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    source = shown.stdout.replace(
+        "from kvbus.subscribe import", "from kvbus.bus.subscription import"
+    )
     module = types.ModuleType(f"{Path(path).stem}_at_{revision}")
     exec(compile(source, f"{revision}:{path}", "exec"), module.__dict__)
     return module
@@ -151,7 +166,7 @@ def paced_publishing_cpu(n: int, rate: float, against: str) -> dict[str, float]:
     with kvbus.Publisher(url, source="paced") as pub:
         out["kvbus Publisher, memory://"] = paced_cpu(pub.publish, payloads, rate, pub.flush)
     if against:
-        before = module_at(against, "kvbus/publisher.py").Publisher
+        before = module_at(against, "kvbus/bus/publisher.py").Publisher
         with before(url, source="paced-before") as pub:
             name = f"kvbus Publisher at {against}, memory://"
             out[name] = paced_cpu(pub.publish, payloads, rate, pub.flush)

@@ -8,7 +8,7 @@ default sync policy), one `kvbus.Publisher` per engine for the kv stream and one
 engine for the metrics stream (each with its own sender thread, event loop and NATS
 connection, as in an engine process), the engine's bytes (vLLM KV event batches recorded
 from real engines, ``tests/data/vllm_streams.msgpack``: stores, evictions, a prefix-cache
-reset, LoRA blocks), `kvbus.subscribe()` over both streams and `kvbus.router.Router`
+reset, LoRA blocks), `kvbus.subscribe()` over both streams and `kvbus.routing.router.Router`
 applying them in a process of its own, with ``route()`` queries on the same event loop
 while the fleet publishes (what ``kvbus router``'s follow loops and handlers do).
 
@@ -66,8 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvbus
 from bench.bench_transports import _DefaultSyncNats
-from kvbus.events import LoadMetrics
-from kvbus.router import Router
+from kvbus.routing.router import Router
+from kvbus.wire.events import LoadMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMS = REPO / "tests/data/vllm_streams.msgpack"

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_index_peers import add_workload_arguments
 from kvbus import BlockStored, Kind, LoadMetrics, Message
-from kvbus.index import block_keys
-from kvbus.router import CostWeights, Router
+from kvbus.routing.index import block_keys
+from kvbus.routing.router import CostWeights, Router
 
 BLOCK = 32
 PROMPT_BLOCKS = 128  # 4k tokens

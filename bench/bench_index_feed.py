@@ -49,11 +49,11 @@ from bench.bench_index_peers import (
     engine_hashes,
     workload,
 )
-from kvbus.events import BlockStored, KVEventBatch
-from kvbus.index import PrefixIndex
-from kvbus.router import Router
-from kvbus.subscribe import Message
-from kvbus.top import Fleet
+from kvbus.bus.subscription import Message
+from kvbus.ops.top import Fleet
+from kvbus.routing.index import PrefixIndex
+from kvbus.routing.router import Router
+from kvbus.wire.events import BlockStored, KVEventBatch
 
 
 def publish(url: str, args: argparse.Namespace) -> int:

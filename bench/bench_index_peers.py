@@ -21,7 +21,7 @@ chained by engine hashes; then each worker evicts a quarter of its prompts as 16
   as the subscriber does when a consumer reads ``Message.body``) and applied, both
   timed: a router's way in before `apply_payload`.
 * kvbus, Python kernels: the first row with the index's per-block loops in Python
-  (``kvbus/_kernels.py``, the fallback where the C ones did not build).
+  (``kvbus/routing/_kernels.py``, the fallback where the C ones did not build).
 * kvbus, keys hashed before: the same, with each event's keys computed before the clock
   starts (Dynamo's conditions: its publisher sends each block's token hash), so its
   store rate is what the index's dict work alone costs.
@@ -41,8 +41,8 @@ Memory: RSS growth while storing, per stored (worker, block), in the first run (
 ones reuse the memory it freed). Medians over --repeats (a fresh index each), range in
 brackets.
 
-``--against REV`` adds rows for kvbus/index.py (and its parts) as of git revision REV, taking turns
-with the current one (before/after on the same noise).
+``--against REV`` adds rows for kvbus/routing/index.py (and its parts) as of git
+revision REV, taking turns with the current one (before/after on the same noise).
 
 Run: python bench/bench_index_peers.py [--workers 1000] [--repeats 5] [--against REV]
 """
@@ -310,10 +310,11 @@ def run_kvbus(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     sys.path.insert(0, str(REPO))
     import msgspec
 
-    import kvbus.index as index_module
-    from kvbus import BlockRemoved, BlockStored, KVEventBatch, _kernels
-    from kvbus.events import decode_kv_batch
-    from kvbus.index import PrefixIndex, block_keys
+    import kvbus.routing.index as index_module
+    from kvbus import BlockRemoved, BlockStored, KVEventBatch
+    from kvbus.routing import _kernels
+    from kvbus.routing.index import PrefixIndex, block_keys
+    from kvbus.wire.events import decode_kv_batch
 
     pool, stores, removals, queries = workload(args)
 
@@ -427,37 +428,39 @@ def keys_hashed_before(index_class: Any, stored: list[tuple[Step, Any]]) -> Any:
 
 
 INDEX_PARTS = ("index_keys", "index_holders", "index_feed", "index_match")
-"""The modules kvbus/index.py imports its parts from (since the issue-30 split), in
-the order they import each other."""
+"""The modules kvbus/routing/index.py imports its parts from (since the issue-30 split),
+in the order they import each other."""
 
 
 def index_at(revision: str) -> Any:
-    """``PrefixIndex`` as kvbus/index.py and its parts (`INDEX_PARTS`, where the revision
+    """``PrefixIndex`` as kvbus/routing/index.py and its parts (`INDEX_PARTS`, where the revision
     has them) were at git ``revision``, the rest of kvbus as now. Each part is put in
     place of the current one while the next ones load, so they import each other as of
     ``revision``."""
     from bench_core import module_at  # this script's directory
 
-    import kvbus
+    import kvbus.routing
 
     listed = subprocess.run(
-        ["git", "-C", str(REPO), "ls-tree", "--name-only", revision, "kvbus/"],
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", revision, "kvbus/routing/"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.split()
-    parts = [name for name in INDEX_PARTS if f"kvbus/{name}.py" in listed]
-    saved = {name: sys.modules[f"kvbus.{name}"] for name in parts}  # as kvbus.index imports
+    parts = [name for name in INDEX_PARTS if f"kvbus/routing/{name}.py" in listed]
+    saved = {name: sys.modules[f"kvbus.routing.{name}"] for name in parts}
     try:
         for name in parts:
-            part = module_at(revision, f"kvbus/{name}.py")
-            sys.modules[f"kvbus.{name}"] = part
-            setattr(kvbus, name, part)
-        return module_at(revision, "kvbus/index.py").PrefixIndex
+            part = module_at(revision, f"kvbus/routing/{name}.py")
+            sys.modules[f"kvbus.routing.{name}"] = part  # as the next part imports it
+            setattr(kvbus.routing, name, part)
+        # Before the subpackages (kvbus 0.2) the index was one module, kvbus/index.py:
+        # module_at finds it under its old path.
+        return module_at(revision, "kvbus/routing/index.py").PrefixIndex
     finally:
         for name, module in saved.items():
-            sys.modules[f"kvbus.{name}"] = module
-            setattr(kvbus, name, module)
+            sys.modules[f"kvbus.routing.{name}"] = module
+            setattr(kvbus.routing, name, module)
 
 
 def main() -> None:
@@ -469,7 +472,7 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="REV",
-        help="also kvbus/index.py (and its parts) as of these git revisions (before/after)",
+        help="also kvbus/routing/index.py (and its parts) as of these git revisions (before/after)",
     )
     parser.add_argument(
         "--dynamo-any-core",

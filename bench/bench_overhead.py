@@ -190,8 +190,8 @@ async def _until_signalled() -> None:
 async def _serve_kvbus(port: int, workers: dict[str, str], tokenizer: str) -> None:
     import kvbus
     from kvbus import Kind, LoadMetrics
-    from kvbus.gateway import RouterApp, start, stop
-    from kvbus.router import Router
+    from kvbus.routing.router import Router
+    from kvbus.service.gateway import RouterApp, start, stop
 
     url = f"memory://overhead-{os.getpid()}"
     publishers = [kvbus.Publisher(url, stream="metrics", source=f"{n}/dp0") for n in workers]
@@ -420,7 +420,7 @@ def main() -> None:
         workers = dict(w.split("=", 1) for w in args.worker)
         serving = _serve_kvbus(int(port), workers, tokenizer)
         if loop == "uvloop":
-            from kvbus.gateway import run as run_router  # as `kvbus router` runs
+            from kvbus.service.gateway import run as run_router  # as `kvbus router` runs
 
             run_router(serving)
         else:

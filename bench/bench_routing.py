@@ -51,7 +51,7 @@ from bench.mooncake import (  # noqa: E402
     select,
     simulate,
 )
-from kvbus.router import Router  # noqa: E402
+from kvbus.routing.router import Router  # noqa: E402
 
 KVBUS_POLICIES = ["kv", "round_robin"]
 

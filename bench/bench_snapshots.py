@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvbus
 from kvbus import BlockRemoved, BlockStored, KVEventBatch
-from kvbus.compact import Compactor
-from kvbus.events import encode
-from kvbus.index import PrefixIndex
+from kvbus.ops.compact import Compactor
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import encode
 
 BLOCK = 16
 PER_BATCH = 16

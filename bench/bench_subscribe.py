@@ -44,8 +44,8 @@ from kvbus.transports import Record, open_transport
 import kvbus
 from bench.bench_core import batch16
 from bench.bench_transports import _VolatileRedis, repeat
-from kvbus.envelope import Envelope, Kind, encode_envelope
-from kvbus.events import encode
+from kvbus.wire.envelope import Envelope, Kind, encode_envelope
+from kvbus.wire.events import encode
 
 CHUNK = 512
 OLD_FIGURE = 166_000

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvbus
 from bench.bench_core import batch16, module_at, vllm_end_to_end
-from kvbus.events import KVEventBatch, encode
+from kvbus.wire.events import KVEventBatch, encode
 from tests.servers import NatsServer, RedisServer, free_port
 
 
@@ -105,7 +105,7 @@ async def store_one_per_message(url: str, stream: str, payloads: list[bytes]) ->
     streams, where every engine step finds its publisher idle (not timed)."""
     from kvbus.transports import Record, open_transport
 
-    from kvbus.envelope import Envelope, Kind, encode_envelope
+    from kvbus.wire.envelope import Envelope, Kind, encode_envelope
 
     transport = open_transport(url)
     window = asyncio.Semaphore(200)

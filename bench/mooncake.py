@@ -12,7 +12,7 @@ cached prefix, at least one token computed, LRU eviction of free blocks in vLLM'
 a copy per recomputed block, output blocks cached too) and emits the same
 ``BlockStored``/``BlockRemoved`` events. It gives the offline bound of a fleet
 (`pooled_hit_rate`: one cache as large as all engines together, i.e. a placement that
-never stores a block twice) and lets `simulate` drive a `kvbus.router.Router` through a
+never stores a block twice) and lets `simulate` drive a `kvbus.routing.router.Router` through a
 whole trace without engines.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbus import BlockRemoved, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
-from kvbus.router import Router
+from kvbus.routing.router import Router
 
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 REPO = Path(__file__).resolve().parents[1]

@@ -16,10 +16,10 @@ connector (nothing to load or save, no per-layer hooks), so nothing is published
 Use ``KvbusHMAConnector`` for an inner that supports the hybrid memory allocator.
 
 From the scheduler-side instance (one per engine core), under the engine's source name
-(``$KVBUS_SOURCE/dp<rank>``, as its KV events), one `kvbus.events.ConnectorBatch` per
+(``$KVBUS_SOURCE/dp<rank>``, as its KV events), one `kvbus.wire.events.ConnectorBatch` per
 step with anything to say goes to the ``connector`` stream of ``$KVBUS_URL``
 (``extra_config["url"]``/``["stream"]`` override): each request's transfers from plan to
-outcome (`kvbus.transfers.TransferTracker`), the inner's stats of the step (the objects
+outcome (`kvbus.routing.transfers.TransferTracker`), the inner's stats of the step (the objects
 handed over that step, serialized at once, never re-sent), and, with
 ``"verify_transfers": true`` (or ``{"sample": 0.1}``), per-block digests of the KV the
 workers saved and loaded (`kvbus.connectors.kv_blocks`). The connector's KV events
@@ -78,7 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 import kvbus
-from kvbus.transfers import TransferTracker
+from kvbus.routing.transfers import TransferTracker
 
 if TYPE_CHECKING:
     import torch

@@ -29,9 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvbus.events import BlockDigest
 from kvbus.logs import LimitedLog
-from kvbus.transfers import LOAD, SAVE, Outcome, TransferCounters
+from kvbus.routing.transfers import LOAD, SAVE, Outcome, TransferCounters
+from kvbus.wire.events import BlockDigest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

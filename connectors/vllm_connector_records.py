@@ -1,6 +1,6 @@
 """`StepRecords`: what the scheduler-side `KvbusConnector` publishes on the bus.
 
-One `kvbus.events.ConnectorBatch` per step with anything to say, on the ``connector``
+One `kvbus.wire.events.ConnectorBatch` per step with anything to say, on the ``connector``
 stream of ``$KVBUS_URL`` (``extra_config["url"]``/``["stream"]`` override), under the
 engine's source name: the step's transfer records, the inner's stats of the step
 (serialized when handed over, never re-sent; left out with the reason when they cannot
@@ -22,10 +22,10 @@ from kvbus.connectors.vllm_events import engine_source, report_bus_metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 import kvbus
-from kvbus.envelope import Kind
-from kvbus.events import BlockDigest, ConnectorBatch, ConnectorStats, TransferEvent
 from kvbus.logs import LimitedLog
-from kvbus.transfers import Outcome, outcomes
+from kvbus.routing.transfers import Outcome, outcomes
+from kvbus.wire.envelope import Kind
+from kvbus.wire.events import BlockDigest, ConnectorBatch, ConnectorStats, TransferEvent
 
 _limited = LimitedLog(logging.getLogger("kvbus.connectors"))
 

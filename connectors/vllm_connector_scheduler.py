@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvbus.transfers import LOAD, MAX_TRACKED, SAVE, TransferTracker
+from kvbus.routing.transfers import LOAD, MAX_TRACKED, SAVE, TransferTracker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

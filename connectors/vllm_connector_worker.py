@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvbus.events import BlockDigest
-from kvbus.transfers import LOAD, SAVE
+from kvbus.routing.transfers import LOAD, SAVE
+from kvbus.wire.events import BlockDigest
 
 if TYPE_CHECKING:
     import torch

@@ -55,10 +55,10 @@ from vllm.distributed.kv_events import (
 
 import kvbus
 from kvbus import metrics
+from kvbus.bus.publisher import PublisherStats
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
-from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
-from kvbus.events import SourceStopped, encode
-from kvbus.publisher import PublisherStats
+from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
+from kvbus.wire.events import SourceStopped, encode
 
 log = logging.getLogger("kvbus.connectors")
 

@@ -25,8 +25,8 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 import kvbus
 from kvbus import metrics
-from kvbus.envelope import Kind
-from kvbus.events import LoadMetrics
+from kvbus.wire.envelope import Kind
+from kvbus.wire.events import LoadMetrics
 
 
 class KvbusStatLogger(StatLoggerBase):

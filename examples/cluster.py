@@ -335,7 +335,7 @@ async def beat_idle_load(url: str, stream: str, workers: list[str], every: float
     import asyncio
 
     import kvbus
-    from kvbus.events import LoadMetrics
+    from kvbus.wire.events import LoadMetrics
 
     publishers = [kvbus.Publisher(url, stream=stream, source=f"{w}/dp0") for w in workers]
     try:

@@ -1,6 +1,6 @@
 """A KV- and load-aware OpenAI-compatible router in front of vLLM servers, on NATS.
 
-The router itself is the package's service (`kvbus.gateway`, also ``kvbus router``);
+The router itself is the package's service (`kvbus.service.gateway`, also ``kvbus router``);
 this launcher is the entry point the docs show. Each vLLM server runs with the kvbus
 plugin and stat logger and ``KVBUS_URL`` pointing at the same bus::
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from kvbus.gateway import main
+from kvbus.service.gateway import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,8 +11,19 @@ __version__ = "0.2.0"
 import importlib
 from typing import Any
 
-from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind
-from kvbus.events import (
+from kvbus import _moved
+from kvbus.bus.publisher import Publisher, PublisherStats
+from kvbus.bus.subscription import (
+    Cursor,
+    Message,
+    Resync,
+    ResyncReason,
+    Subscription,
+    SubscriptionStats,
+    subscribe,
+)
+from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind
+from kvbus.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,16 +32,6 @@ from kvbus.events import (
     LossNotice,
     SourceStarted,
     SourceStopped,
-)
-from kvbus.publisher import Publisher, PublisherStats
-from kvbus.subscribe import (
-    Cursor,
-    Message,
-    Resync,
-    ResyncReason,
-    Subscription,
-    SubscriptionStats,
-    subscribe,
 )
 
 __all__ = [
@@ -60,7 +61,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """``kvbus.metrics`` after a bare ``import kvbus`` (as the README writes it), imported
-    on first use: the bus itself never imports its operations code (`kvbus.instruments`)."""
+    on first use: the bus itself never imports its operations code (`kvbus.bus.instruments`)."""
     if name == "metrics":
         return importlib.import_module("kvbus.metrics")
     raise AttributeError(f"module 'kvbus' has no attribute {name!r}")
+
+
+_moved.install()

@@ -1,8 +1,8 @@
 """The ``kvbus`` command: ``kvbus tail`` prints a stream as JSON lines; ``kvbus demo``
 runs a publisher and a subscriber on the embedded bus and prints what arrives; ``kvbus
 bridge`` forwards stock vLLM ZMQ publishers; ``kvbus router`` runs the KV-aware router
-in front of vLLM servers (`kvbus.gateway`); ``kvbus top`` shows the fleet's workers live
-(`kvbus.top`).
+in front of vLLM servers (`kvbus.service.gateway`); ``kvbus top`` shows the fleet's workers live
+(`kvbus.ops.top`).
 
 The commands that talk to other processes (all but ``demo``) read ``--url``, else
 ``$KVBUS_URL``, else the local NATS server (`kvbus.config.DEFAULT_COMMAND_URL`), and say
@@ -27,14 +27,18 @@ from typing import Any, Final
 
 import msgspec
 
+from kvbus.bus.publisher import Publisher
+from kvbus.bus.subscription import Cursor, Message, Resync, subscribe
 from kvbus.config import (
-    DEFAULT_COMMAND_URL,
     describe_bus,
     redact_url,
     resolve_command_url,
     resolve_stream,
 )
-from kvbus.events import (
+from kvbus.logs import LimitedLog, displayable, terminal_safe_json
+from kvbus.ops.console import URL_HELP, say, say_if_unreachable
+from kvbus.transports import BackendUnusable
+from kvbus.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -42,18 +46,11 @@ from kvbus.events import (
     KVEventBatch,
     decode_raw,
 )
-from kvbus.logs import LimitedLog, displayable, terminal_safe_json
-from kvbus.publisher import Publisher
-from kvbus.snapshot import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_COPIES
-from kvbus.subscribe import Cursor, Message, Resync, SubscriptionStats, subscribe
-from kvbus.transports import BackendUnusable
+from kvbus.wire.snapshot import DEFAULT_MAX_BLOCKS, DEFAULT_MAX_COPIES
 
 _json = msgspec.json.Encoder()
 _limited = LimitedLog(logging.getLogger("kvbus.cli"))
 
-URL_HELP: Final = f"transport URL (default $KVBUS_URL, else {DEFAULT_COMMAND_URL})"
-UNREACHABLE_CHECK: Final = 0.5
-"""Seconds between a command's looks at whether its bus answers (`say_if_unreachable`)."""
 DEFAULT_CURSOR_INTERVAL: Final = 1.0
 """Seconds between saves of ``kvbus tail --cursor-file`` (``--cursor-interval``)."""
 SHUTDOWN_GRACE: Final = 1.0
@@ -166,33 +163,6 @@ class CursorFile:
                 self.save(cursor())
             except OSError as error:
                 _limited.warning("cursor_file", "kvbus tail: cursor not saved: %s", error)
-
-
-def say(line: str) -> None:
-    """One progress line of a command, on stderr (stdout is its data)."""
-    print(line, file=sys.stderr, flush=True)
-
-
-async def say_if_unreachable(
-    command: str, url: str, stats: Callable[[], list[SubscriptionStats]]
-) -> None:
-    """Say once, on stderr, that the bus does not answer: when a read of the
-    subscriptions ``stats()`` failed before any of them delivered anything (they retry
-    for ever, quietly at the default log level, and would look like an empty bus).
-    Runs until cancelled."""
-    while True:
-        await asyncio.sleep(UNREACHABLE_CHECK)
-        counts = stats()
-        if any(s.delivered for s in counts):
-            return  # it answers
-        failures = sum(s.transport_errors for s in counts)
-        if failures:
-            say(
-                f"kvbus {command}: cannot read {redact_url(url)} ({failures} failed tries): "
-                "is the server running (NATS with JetStream: nats-server -js) and the URL "
-                "right? Still trying; -v shows each error, Ctrl-C stops"
-            )
-            return
 
 
 async def _tail(args: argparse.Namespace) -> int:
@@ -325,7 +295,7 @@ def _positive(convert: Callable[[str], float]) -> Callable[[str], float]:
 
 
 async def _compact(args: argparse.Namespace) -> int:
-    from kvbus.compact import compact
+    from kvbus.ops.compact import compact
 
     url, origin = resolve_command_url(args.url)
     try:
@@ -348,7 +318,7 @@ async def _compact(args: argparse.Namespace) -> int:
 
 
 async def _top(args: argparse.Namespace) -> int:
-    from kvbus import top
+    from kvbus.ops import top
 
     return await top.run(args)
 
@@ -425,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(default {DEFAULT_MAX_BLOCKS})",
     )  # fmt: skip
 
-    from kvbus import top
+    from kvbus.ops import top
 
     top.add_arguments(
         commands.add_parser("top", help="a live view of the workers: blocks, hit rate, load, lag")
@@ -438,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     if "router" in words:
         # aiohttp, numpy, transformers (the router extra): imported only for the router.
         try:
-            from kvbus import gateway
+            from kvbus.service import gateway
         except ImportError as missing:
             raise SystemExit(
                 f"kvbus router needs: pip install 'kvbus[router]' ({missing})"

@@ -8,7 +8,7 @@ goes on to wait for the next entry, and ``asyncio.run``, which cancels each left
 once and waits for it, hangs at exit. Two mechanisms, for kvbus's own background tasks:
 
 - `raise_if_cancelling`: after a client call ended, by result or by error, a cancel that
-  was asked for and swallowed is raised here (`kvbus.retry` checks before every attempt
+  was asked for and swallowed is raised here (`kvbus.bus.retry` checks before every attempt
   and every backoff);
 - `cancel_sticks`: a task whose cancel stays in force. Cancelled, it is cancelled again
   every `CANCEL_AGAIN_AFTER` seconds until it ends, unless the request was withdrawn

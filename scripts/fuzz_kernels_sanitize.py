@@ -1,5 +1,5 @@
-"""Fuzz the C kernels (a build of kvbus/_ckernels.c, normally under AddressSanitizer and
-UBSan: scripts/sanitize.sh) against their Python reference (kvbus/_kernels.py), for a
+"""Fuzz the C kernels (a build of kvbus/routing/_ckernels.c, normally under AddressSanitizer and
+UBSan: scripts/sanitize.sh) against their Python reference (kvbus/routing/_kernels.py), for a
 fixed time. Every entry point that reads bytes or values from the network is fed
 valid batches as kvbus and vLLM write them, mutated (bytes flipped, cut,
 appended, spliced, length headers forged with boundary values, nested deep, ints
@@ -30,9 +30,10 @@ from typing import Any
 import msgspec
 
 import kvbus
-import kvbus.index
-from kvbus import _kernels
-from kvbus.events import (
+import kvbus.routing.index
+from kvbus.routing import _kernels
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -40,7 +41,6 @@ from kvbus.events import (
     decode_packed_kv_batch,
     encode,
 )
-from kvbus.index import PrefixIndex
 
 _pack = msgspec.msgpack.encode
 EPOCH = 1_700_000_000_000_000_000
@@ -52,7 +52,7 @@ class Disagreement(Exception):
 
 def load(path: str) -> ModuleType:
     """The kernels built at ``path`` (its init is ``PyInit__ckernels``), as a module of
-    their own: the installed ``kvbus._ckernels`` is left alone."""
+    their own: the installed ``kvbus.routing._ckernels`` is left alone."""
     loader = importlib.machinery.ExtensionFileLoader("_ckernels", path)
     spec = importlib.util.spec_from_file_location("_ckernels", path, loader=loader)
     assert spec is not None
@@ -253,7 +253,7 @@ def check_index_payloads(k: ModuleType, rng: random.Random) -> None:
     states = []
     block_size = rng.choice([None, 4, 16])
     for kernels in (k, _kernels):
-        in_use = kvbus.index.use_kernels(kernels)
+        in_use = kvbus.routing.index.use_kernels(kernels)
         try:
             index = PrefixIndex(block_size)
             results = [outcome(lambda: index.apply_payload("w", p)) for p in payloads]  # noqa: B023
@@ -261,7 +261,7 @@ def check_index_payloads(k: ModuleType, rng: random.Random) -> None:
             states.append((results, dict(index._masks), queries, index.malformed,
                            index.unchained, index.unknown_removals))  # fmt: skip
         finally:
-            kvbus.index.use_kernels(in_use)
+            kvbus.routing.index.use_kernels(in_use)
     same("PrefixIndex.apply_payload", states[0], states[1], payloads)
 
 
@@ -276,7 +276,7 @@ CHECKS: dict[str, tuple[Callable[[ModuleType, random.Random], None], float]] = {
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
-    parser.add_argument("--module", required=True, help="a build of kvbus/_ckernels.c")
+    parser.add_argument("--module", required=True, help="a build of kvbus/routing/_ckernels.c")
     parser.add_argument("--seconds", type=float, default=45.0)
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args()

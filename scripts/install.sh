@@ -31,7 +31,7 @@ python3 -m venv .venv
 py=.venv/bin/python
 # setup.py and the C source too: the editable install builds kvbus/_ckernels*.so once.
 stamp=.venv/.kvbus-deps-$extras-$({
-  cat pyproject.toml setup.py kvbus/_ckernels.c scripts/install.sh
+  cat pyproject.toml setup.py kvbus/routing/_ckernels.c scripts/install.sh
   echo "$vllm"
 } | sha256sum | cut -c1-16)
 if [ -f "$stamp" ]; then

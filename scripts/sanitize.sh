@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The C kernels under AddressSanitizer and UBSan: builds kvbus/_ckernels.c with both
-# into a temporary directory (the installed kvbus._ckernels is left alone) and fuzzes
+# The C kernels under AddressSanitizer and UBSan: builds kvbus/routing/_ckernels.c with both
+# into a temporary directory (the installed kvbus.routing._ckernels is left alone) and fuzzes
 # every entry point that reads network bytes against its Python reference
 # (scripts/fuzz_kernels_sanitize.py) for SECONDS (default 45; CI: the test command).
 # Prints one summary line, "sanitize: clean ..." or "sanitize: FAILED ...", and exits
@@ -19,7 +19,7 @@ while [ $# -gt 0 ]; do
     *) seconds="$1"; shift ;;
   esac
 done
-source_file="${KVBUS_SANITIZE_SOURCE:-kvbus/_ckernels.c}"
+source_file="${KVBUS_SANITIZE_SOURCE:-kvbus/routing/_ckernels.c}"
 python="${PYTHON:-.venv/bin/python}"
 
 # gcc's sanitizer runtimes come with it on Debian (libgcc-N-dev pulls libasan and

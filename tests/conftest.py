@@ -14,18 +14,20 @@ from kvbus.transports import Record
 from kvbus.transports.memory import MemoryTransport
 
 import kvbus
-from kvbus.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
-from kvbus.events import BlockStored, KVEventBatch, encode
+from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
+from kvbus.wire.events import BlockStored, KVEventBatch, encode
 
 from .servers import NatsServer, RedisServer, free_port
 
 try:
-    from kvbus import _ckernels as ckernels
+    from kvbus.routing import _ckernels as ckernels
 except ImportError:  # no C compiler at install
     ckernels = None  # type: ignore[assignment]
 
-needs_c = pytest.mark.skipif(ckernels is None, reason="kvbus._ckernels did not build")
-subscribe_module = importlib.import_module("kvbus.subscribe")  # kvbus.subscribe: the function
+needs_c = pytest.mark.skipif(ckernels is None, reason="kvbus.routing._ckernels did not build")
+subscribe_module = importlib.import_module(
+    "kvbus.bus.subscription"
+)  # kvbus.subscribe: the function
 
 
 @contextlib.contextmanager

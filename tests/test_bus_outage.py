@@ -1,5 +1,5 @@
 """The router without its bus: NATS killed under load, a worker no engine publishes as,
-and the load read from the engines' own ``/metrics`` instead (kvbus.gateway).
+and the load read from the engines' own ``/metrics`` instead (kvbus.service.gateway).
 
 The outage test runs the real parts: nats-server (kill -9 and a restart on the same
 store), one real vLLM engine with the kvbus plugin, and ``kvbus router`` in its own
@@ -28,8 +28,8 @@ from router_demo import WARM_UP
 
 import kvbus
 from kvbus import Kind, LoadMetrics
-from kvbus.gateway import ENGINE_METRICS_MAX_BYTES, RouterApp, engine_loads
-from kvbus.router import Router
+from kvbus.routing.router import Router
+from kvbus.service.gateway import ENGINE_METRICS_MAX_BYTES, RouterApp, engine_loads
 
 PROMPT = " ".join(f"w{i}" for i in range(30, 40))  # 10 tokens: no full block, load decides
 
@@ -207,7 +207,7 @@ async def test_a_worker_no_engine_publishes_as_is_named_and_still_routed(
     app = RouterApp(
         workers, Router(stale_after=1.0), memory_url, str(tokenizer), engine_poll_interval=0.1
     )
-    caplog.set_level(logging.WARNING, "kvbus.router")
+    caplog.set_level(logging.WARNING, "kvbus.routing.router")
     try:
         async with serving(app) as url, aiohttp.ClientSession() as session:
 

@@ -15,8 +15,9 @@ from kvbus.transports import Record, open_transport
 
 import kvbus
 from kvbus import Message, Resync, ResyncReason
-from kvbus.compact import Compactor
-from kvbus.events import (
+from kvbus.ops.compact import Compactor
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -24,7 +25,6 @@ from kvbus.events import (
     SourceStarted,
     encode,
 )
-from kvbus.index import PrefixIndex
 
 from .conftest import Bus, Item, envelope, kv_payload, last_seq_is, read_until, seqs
 
@@ -63,7 +63,7 @@ async def test_order_without_duplicates(bus: Bus) -> None:
 async def test_connector_records_travel_beside_kv_batches(bus: Bus) -> None:
     """A KV connector's step records (kind CONNECTOR, with a raw stats payload whose
     map keys are tuples, as vLLM's offloading stats have) come back as typed structs."""
-    from kvbus.events import ConnectorBatch, ConnectorStats, TransferEvent, decode_raw
+    from kvbus.wire.events import ConnectorBatch, ConnectorStats, TransferEvent, decode_raw
 
     publisher = bus.publisher("engine-a")
     payload = msgspec.msgpack.encode({"data": {("CPU_to_GPU",): 4096}})

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvbus import Kind, Message
-from kvbus.events import ConnectorBatch, TransferEvent, decode_raw
+from kvbus.wire.events import ConnectorBatch, TransferEvent, decode_raw
 
 from .conftest import collect
 

@@ -22,7 +22,7 @@ import kvbus
 from kvbus import BlockStored, KVEventBatch, Message, Resync, SourceStopped
 from kvbus.cli import main
 from kvbus.config import DEFAULT_COMMAND_URL, DEFAULT_URL, resolve_command_url
-from kvbus.top import TopReport
+from kvbus.ops.top import TopReport
 
 from .servers import RedisServer, free_port
 

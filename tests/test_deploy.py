@@ -35,7 +35,8 @@ import yaml
 from cluster import Server, free_port, get_json, nats_server_binary
 from packaging.specifiers import SpecifierSet
 
-from kvbus import config, gateway
+from kvbus import config
+from kvbus.service import gateway
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "examples" / "deploy"
@@ -524,7 +525,7 @@ def test_install_sh_says_what_it_installs_and_skips_when_unchanged(
 ) -> None:
     (fake_bin / "python3").write_text(STUB_PYTHON3)
     (fake_bin / "python3").chmod(0o755)
-    for name in ("scripts/install.sh", "pyproject.toml", "setup.py", "kvbus/_ckernels.c"):
+    for name in ("scripts/install.sh", "pyproject.toml", "setup.py", "kvbus/routing/_ckernels.c"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
 

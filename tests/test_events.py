@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvbus.events import (
+from kvbus.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

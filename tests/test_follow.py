@@ -1,4 +1,4 @@
-"""`kvbus.follow.Follower`, the history-then-live-tail reader the router's bus followers,
+"""`kvbus.bus.follow.Follower`, the history-then-live-tail reader the router's bus followers,
 ``kvbus top`` and the compactor share: where it is caught up, that the live tail goes on
 from there with nothing twice, bad items, a failing backend, ``accept`` and ``pause``."""
 
@@ -13,10 +13,10 @@ from kvbus.transports import BackendUnusable, Entry, Position
 from kvbus.transports.memory import MemoryTransport
 
 import kvbus
-from kvbus import follow
-from kvbus.events import KVEventBatch
-from kvbus.follow import Follower
-from kvbus.subscribe import Item, Message
+from kvbus.bus import follow
+from kvbus.bus.follow import Follower
+from kvbus.bus.subscription import Item, Message
+from kvbus.wire.events import KVEventBatch
 
 from .conftest import kv_payload
 

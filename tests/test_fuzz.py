@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbus import Message
-from kvbus.envelope import decode_envelope
-from kvbus.events import decode_control, decode_kv_batch, decode_metrics
-from kvbus.snapshot import decode_snapshot
+from kvbus.wire.envelope import decode_envelope
+from kvbus.wire.events import decode_control, decode_kv_batch, decode_metrics
+from kvbus.wire.snapshot import decode_snapshot
 
 from .conftest import append_raw, collect, envelope, kv_payload
 

@@ -19,11 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvbus
 from kvbus import BlockStored, Kind, KVEventBatch, LoadMetrics
-from kvbus.compact import Compactor
-from kvbus.envelope import SCHEMA_VERSION, Envelope, encode_envelope
-from kvbus.events import encode
-from kvbus.gateway import RouterApp
-from kvbus.router import Router
+from kvbus.ops.compact import Compactor
+from kvbus.routing.router import Router
+from kvbus.service.gateway import RouterApp
+from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, encode_envelope
+from kvbus.wire.events import encode
 
 TOKENS = list(range(5, 5 + 96))  # 3 blocks of 32
 
@@ -121,7 +121,7 @@ async def test_metrics_export_the_engines_connector_transfers(
 ) -> None:
     """With --connector-stream, /metrics sums each engine's connector records: transfer
     counts, tokens and seconds by outcome, and the additive fields of its stats."""
-    from kvbus.events import ConnectorBatch, ConnectorStats, TransferEvent
+    from kvbus.wire.events import ConnectorBatch, ConnectorStats, TransferEvent
 
     def ended(direction: str, phase: str, tokens: int, seconds: float) -> TransferEvent:
         return TransferEvent(

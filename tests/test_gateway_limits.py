@@ -21,10 +21,10 @@ from kvbus.transports.memory import MemoryTransport
 
 import kvbus
 from kvbus import Kind, LoadMetrics
-from kvbus.envelope import SCHEMA_VERSION, Envelope, encode_envelope
-from kvbus.events import encode
-from kvbus.gateway import RouterApp, start, stop
-from kvbus.router import Router
+from kvbus.routing.router import Router
+from kvbus.service.gateway import RouterApp, start, stop
+from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, encode_envelope
+from kvbus.wire.events import encode
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

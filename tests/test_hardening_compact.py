@@ -1,5 +1,5 @@
 """``kvbus compact`` writes its snapshots on time, items or not, and once more when it
-stops (kvbus.compact); its caps are set and reported on the command line (kvbus.cli)."""
+stops (kvbus.ops.compact); its caps are set and reported on the command line (kvbus.cli)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from kvbus.transports import open_transport
 import kvbus
 from kvbus import BlockStored, KVEventBatch
 from kvbus.cli import TERMINATED, main
-from kvbus.compact import Compactor
-from kvbus.events import decode_kv_batch, encode
-from kvbus.index import PrefixIndex
-from kvbus.snapshot import decode_snapshot
+from kvbus.ops.compact import Compactor
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import decode_kv_batch, encode
+from kvbus.wire.snapshot import decode_snapshot
 
 from .servers import RedisServer
 

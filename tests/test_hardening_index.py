@@ -10,13 +10,13 @@ from typing import Any
 import msgspec
 import pytest
 
-import kvbus.index
-import kvbus.index_feed
-import kvbus.index_keys
+import kvbus.routing.index
+import kvbus.routing.index_feed
+import kvbus.routing.index_keys
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message
-from kvbus.events import LoadMetrics, decode_kv_batch, decode_raw, encode
-from kvbus.index import PrefixIndex
-from kvbus.router import Router
+from kvbus.routing.index import PrefixIndex
+from kvbus.routing.router import Router
+from kvbus.wire.events import LoadMetrics, decode_kv_batch, decode_raw, encode
 
 B = 4
 PROMPT = list(range(100, 116))  # 4 blocks of B
@@ -158,7 +158,7 @@ def test_a_configured_block_size_is_every_workers() -> None:
 def test_profiles_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A query keys the prompt once per (block size, lookahead) in use: past
     `MAX_PROFILES` a worker bringing another one is skipped, counted."""
-    monkeypatch.setattr(kvbus.index_keys, "MAX_PROFILES", 3)
+    monkeypatch.setattr(kvbus.routing.index_keys, "MAX_PROFILES", 3)
     index = PrefixIndex()
     for size in range(1, 6):
         index.apply(message(f"w{size}", stored([size], PROMPT[:size], block_size=size)))
@@ -206,7 +206,7 @@ def test_an_advertised_capacity_caps_the_workers_gpu_blocks() -> None:
     load = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0, kv_cache_blocks=100)
     index.apply(Message("big", 1, 1, Kind.METRICS, 0.0, load, encode(load), 0))
     a_long_chain(index, "big", 10_000)
-    limit = 100 * kvbus.index.CAPACITY_HEADROOM + 1024
+    limit = 100 * kvbus.routing.index.CAPACITY_HEADROOM + 1024
     assert index.resident("big") <= limit and index.over_cap >= 10_000 - limit
     assert len(index) == held_keys(index)
 
@@ -221,7 +221,7 @@ def test_a_routers_load_records_cap_the_index_by_the_engines_capacity() -> None:
         load = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0, kv_cache_blocks=blocks)
         router.apply_metrics(Message(name, 1, 1, Kind.METRICS, 0.0, load, encode(load), 0))
         a_long_chain(router.index, name, 5_000)
-    assert router.index.resident("engine-100") <= 100 * kvbus.index.CAPACITY_HEADROOM + 1024
+    assert router.index.resident("engine-100") <= 100 * kvbus.routing.index.CAPACITY_HEADROOM + 1024
     assert router.index.resident(f"engine-{2**62}") == 5_000
 
 
@@ -232,7 +232,7 @@ def test_one_block_named_by_many_hashes_costs_bounded_memory() -> None:
     for start in range(0, 200_000, 1000):
         index.apply(message("a", *(stored([h], PROMPT[:B]) for h in range(start, start + 1000))))
     state = index._workers["a"]
-    assert len(state.keys) <= 1000 + kvbus.index._MIN_REMEMBERED
+    assert len(state.keys) <= 1000 + kvbus.routing.index._MIN_REMEMBERED
     assert index.match(PROMPT[:B]).get("a", 0) == B  # the block itself is still known
 
 
@@ -259,7 +259,7 @@ def test_a_store_whose_keys_fail_counts_nothing(monkeypatch: pytest.MonkeyPatch)
     def failing(*args: Any) -> list[int]:
         raise TypeError("unhashable type: 'list'")
 
-    monkeypatch.setattr(kvbus.index_feed, "keys_of", failing)
+    monkeypatch.setattr(kvbus.routing.index_feed, "keys_of", failing)
     index = PrefixIndex()
     event = with_lookahead(stored([1, 2], PROMPT[: 2 * B]), 2)
     index.apply(message("a", event))  # does not raise

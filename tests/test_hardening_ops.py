@@ -28,11 +28,11 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvbus
 import kvbus.metrics
 from kvbus import cli
+from kvbus.bus.subscription import Cursor, Message
 from kvbus.cli import main
-from kvbus.envelope import Kind
-from kvbus.events import BlockStored, KVEventBatch, LoadMetrics, encode
-from kvbus.subscribe import Cursor, Message
-from kvbus.top import MAX_SHOWN_NAME, Fleet, StreamView, TopReport, displayable, render
+from kvbus.ops.top import MAX_SHOWN_NAME, Fleet, StreamView, TopReport, displayable, render
+from kvbus.wire.envelope import Kind
+from kvbus.wire.events import BlockStored, KVEventBatch, LoadMetrics, encode
 
 from .conftest import append_raw, collect, envelope
 from .servers import CuttableProxy, RedisServer
@@ -463,7 +463,7 @@ def test_a_backend_that_keeps_failing_is_logged_once_a_second(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Every retry against a refusing Redis logged a warning (about 20 a second)."""
-    from kvbus.retry import log_failure
+    from kvbus.bus.retry import log_failure
 
     logger = logging.getLogger("kvbus.test.retry")
     with caplog.at_level(logging.WARNING, logger="kvbus.test.retry"):

@@ -1,4 +1,4 @@
-"""What one source can make a compactor hold and write (kvbus.snapshot, kvbus.compact):
+"""What one source can make a compactor hold and write (kvbus.wire.snapshot, kvbus.ops.compact):
 bounded by the live state it claims, never by all it ever sent."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from kvbus.transports import open_transport
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvbus.compact import Compactor
-from kvbus.events import decode_kv_batch, encode
-from kvbus.index import PrefixIndex
-from kvbus.snapshot import DEFAULT_MAX_COPIES, SourceFold, decode_snapshot
+from kvbus.ops.compact import Compactor
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import decode_kv_batch, encode
+from kvbus.wire.snapshot import DEFAULT_MAX_COPIES, SourceFold, decode_snapshot
 
 
 def stored(hashes: list[int], parent: int | None, medium: str = "GPU") -> BlockStored:

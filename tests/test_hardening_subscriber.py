@@ -20,14 +20,14 @@ from kvbus.transports.memory import MemoryTransport
 import kvbus
 import kvbus.logs
 from kvbus import Message, Resync, ResyncReason
-from kvbus.events import KVEventBatch
 from kvbus.logs import LimitedLog
-from kvbus.snapshot import CURSOR_NAME, Snapshot, encode_snapshot
+from kvbus.wire.events import KVEventBatch
+from kvbus.wire.snapshot import CURSOR_NAME, Snapshot, encode_snapshot
 
 from .conftest import append_raw, collect, envelope, kv_payload, read_until, seqs
 
 # The module, not the function `kvbus.subscribe` that its name is shadowed by.
-subscribe_module = importlib.import_module("kvbus.subscribe")
+subscribe_module = importlib.import_module("kvbus.bus.subscription")
 EPOCH = time.time_ns() - 3600 * 10**9  # a source that started an hour ago
 SMALL = kv_payload(0)  # one block
 KIB_100 = kv_payload(0, blocks=2000)  # about 100 KiB
@@ -297,7 +297,7 @@ async def test_resyncs_are_logged_at_most_once_a_second_per_reason(
         subscribe_module, "_limited", LimitedLog(subscribe_module.log, interval=3600)
     )
     await append_raw(memory_url, [envelope("a", EPOCH, s, SMALL) for s in range(2, 20_001, 2)])
-    with caplog.at_level(logging.INFO, logger="kvbus.subscribe"):
+    with caplog.at_level(logging.INFO, logger="kvbus.bus.subscription"):
         items, sub = await collect(memory_url, gap_timeout=0)
     assert sum(isinstance(i, Resync) for i in items) == sub.stats.resyncs == 10_000
     lines = [r for r in caplog.records if "resync" in r.getMessage()]

@@ -10,12 +10,13 @@ import msgspec
 import pytest
 
 import kvbus
-import kvbus.index
-from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message, _kernels
-from kvbus.events import decode_kv_batch
-from kvbus.index import PrefixIndex
-from kvbus.subscribe import _SLICE as SLICE
-from kvbus.subscribe import Resync, ResyncReason
+import kvbus.routing.index
+from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message
+from kvbus.bus.subscription import _SLICE as SLICE
+from kvbus.bus.subscription import Resync, ResyncReason
+from kvbus.routing import _kernels
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import decode_kv_batch
 
 B = 4  # block size
 
@@ -24,10 +25,10 @@ B = 4  # block size
 def kernels(request: pytest.FixtureRequest) -> None:
     """Every test here on the index's C loops and on their Python reference."""
     if request.param == "Python kernels":
-        before = kvbus.index.use_kernels(_kernels)
-        request.addfinalizer(lambda: kvbus.index.use_kernels(before))
-    elif kvbus.index.kernels is _kernels:
-        pytest.skip("kvbus._ckernels did not build (test_index_kernels says why)")
+        before = kvbus.routing.index.use_kernels(_kernels)
+        request.addfinalizer(lambda: kvbus.routing.index.use_kernels(before))
+    elif kvbus.routing.index.kernels is _kernels:
+        pytest.skip("kvbus.routing._ckernels did not build (test_index_kernels says why)")
 
 
 def stored(

@@ -1,5 +1,5 @@
-"""kvbus/_ckernels.c against kvbus/_kernels.py, its reference: the same results and the
-same state left behind, for any input, and a whole PrefixIndex run on each."""
+"""kvbus/routing/_ckernels.c against kvbus/routing/_kernels.py, its reference: the same
+results and the same state left behind, for any input, and a whole PrefixIndex run on each."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvbus.index
-from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, _kernels
-from kvbus.index import PrefixIndex
+import kvbus.routing.index
+from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvbus.routing import _kernels
+from kvbus.routing.index import PrefixIndex
 
 from .conftest import ckernels as _ckernels
 from .conftest import needs_c
@@ -30,8 +31,8 @@ from .conftest import needs_c
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
 def test_the_c_kernels_are_built_where_a_compiler_is() -> None:
     # optional=True lets an install go on when the build fails: this is what notices.
-    assert _ckernels is not None, "kvbus/_ckernels.c did not build (see the pip log)"
-    assert kvbus.index.kernels is _ckernels
+    assert _ckernels is not None, "kvbus/routing/_ckernels.c did not build (see the pip log)"
+    assert kvbus.routing.index.kernels is _ckernels
 
 
 def outcome(call: Any) -> tuple[str, Any]:
@@ -143,7 +144,7 @@ def test_packed_token_bytes_matches_decoding_them(packed: bytes) -> None:
 @pytest.mark.parametrize("kernels", [_ckernels, _kernels], ids=["C", "Python"])
 def test_packed_token_bytes_of_any_int_encoding_and_bad_input(kernels: Any) -> None:
     if kernels is None:
-        pytest.skip("kvbus._ckernels did not build")
+        pytest.skip("kvbus.routing._ckernels did not build")
     ids = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]
     assert kernels.packed_token_bytes(msgspec.msgpack.encode(ids)) == array("I", ids).tobytes()
     wide = b"\x92\xd3" + (5).to_bytes(8) + b"\xcf" + (7).to_bytes(8)  # int64 5, uint64 7
@@ -177,7 +178,7 @@ def test_chain_matches_python(data: bytes, step: int, parent: int) -> None:
 def test_a_key_is_the_blake2b_of_its_parent_and_block(kernels: Any) -> None:
     """The scheme, spelled out with hashlib: what another implementation must match."""
     if kernels is None:
-        pytest.skip("kvbus._ckernels did not build")
+        pytest.skip("kvbus.routing._ckernels did not build")
     data = array("I", range(1000, 1096)).tobytes()  # 3 blocks of 32 tokens
 
     def blake2b(parent: int, block: bytes) -> int:
@@ -192,7 +193,7 @@ def test_a_key_is_the_blake2b_of_its_parent_and_block(kernels: Any) -> None:
 
 
 SAMPLE_KEYS = """
-from kvbus.index import block_keys
+from kvbus.routing.index import block_keys
 tokens = list(range(7, 7 + 64))
 extra = [("lora-1", "mm", [1, {"k": [2, 3]}]), None, {"salt": b"x"}, ("lora-1",)]
 KEYS = [
@@ -231,11 +232,11 @@ def test_extra_keys_of_any_msgpack_value_key_their_blocks() -> None:
     extra = [("lora", [1, 2]), ("lora", "mm", [b"x", None]), ("lora", {"m": [1]}), None]
     # Lists or tuples, as sent or as decoded: msgpack arrays either way.
     as_lists = [list(e) if e else None for e in extra]
-    keys = kvbus.index.block_keys(tokens, 2, "lora", extra)
-    assert kvbus.index.block_keys(tokens, 2, "lora", as_lists) == keys
-    assert len(set(keys + kvbus.index.block_keys(tokens, 2, "lora"))) == 8
+    keys = kvbus.routing.index.block_keys(tokens, 2, "lora", extra)
+    assert kvbus.routing.index.block_keys(tokens, 2, "lora", as_lists) == keys
+    assert len(set(keys + kvbus.routing.index.block_keys(tokens, 2, "lora"))) == 8
     for value in ({"k": {"n": [None, 1.5]}}, [[[]]], b"\x00", 2**64 - 1, -(2**63)):
-        assert kvbus.index.block_keys(tokens, 2, None, [(value,)])[0] not in keys
+        assert kvbus.routing.index.block_keys(tokens, 2, None, [(value,)])[0] not in keys
     index = PrefixIndex(2)
     stored = BlockStored([1, 2, 3, 4], None, tokens, 2, None, "GPU", "lora")
     stored.extra_keys = extra  # type: ignore[assignment]
@@ -350,14 +351,14 @@ def test_an_index_on_c_kernels_is_the_index_on_python_kernels(
 ) -> None:
     states = []
     for kernels in (_ckernels, _kernels):
-        in_use = kvbus.index.use_kernels(kernels)
+        in_use = kvbus.routing.index.use_kernels(kernels)
         try:
             index = PrefixIndex(B)
             for worker, event in stream:
                 index.apply_events(worker, [event])
             states.append(index_state(index))
         finally:
-            kvbus.index.use_kernels(in_use)
+            kvbus.routing.index.use_kernels(in_use)
     assert states[0] == states[1]
 
 

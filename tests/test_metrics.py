@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvbus
 import kvbus.metrics
-from kvbus.gateway import RouterApp
-from kvbus.router import Router
+from kvbus.routing.router import Router
+from kvbus.service.gateway import RouterApp
 
 from .conftest import append_raw, envelope, kv_payload
 from .servers import CuttableProxy, RedisServer
@@ -181,7 +181,7 @@ def test_reports_of_other_processes_are_added_and_dead_ones_removed(tmp_path: Pa
 
 
 def test_the_bus_does_not_import_its_metrics_and_kvbus_metrics_still_resolves() -> None:
-    """Publishers and subscriptions register in `kvbus.instruments`; `kvbus.metrics`
+    """Publishers and subscriptions register in `kvbus.bus.instruments`; `kvbus.metrics`
     (operations) reads it and is imported only when used, also as ``kvbus.metrics``
     after a bare ``import kvbus`` (as the README writes it); what it reports then
     includes the objects made before it was imported."""

@@ -18,7 +18,7 @@ from kvbus.transports.memory import MemoryTransport
 
 import kvbus
 from kvbus import BlockStored, KVEventBatch, LossNotice, Message, Resync, ResyncReason
-from kvbus.events import encode
+from kvbus.wire.events import encode
 
 from .conftest import collect, kv_payload, lost_seqs
 from .servers import RedisServer, free_port
@@ -418,7 +418,7 @@ def test_a_forked_child_drops_through_the_parents_publisher_and_publishes_throug
 
     parent._queue.lock.acquire()  # as if a parent thread were inside publish() at the fork
     try:
-        with caplog.at_level(logging.WARNING, "kvbus.publisher"):
+        with caplog.at_level(logging.WARNING, "kvbus.bus.publisher"):
             _in_forked_child(child)
     finally:
         parent._queue.lock.release()

@@ -29,10 +29,10 @@ from cluster import beat_idle_load
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
-from kvbus.events import RouteEvent, SourceStopped
-from kvbus.gateway import RouterApp, start, stop
-from kvbus.router import MAX_KV_CACHE_BLOCKS, MAX_PEER_KEYS, MAX_PEERS, CostWeights, Router
-from kvbus.subscribe import Resync, ResyncReason
+from kvbus.bus.subscription import Resync, ResyncReason
+from kvbus.routing.router import MAX_KV_CACHE_BLOCKS, MAX_PEER_KEYS, MAX_PEERS, CostWeights, Router
+from kvbus.service.gateway import RouterApp, start, stop
+from kvbus.wire.events import RouteEvent, SourceStopped
 
 from .servers import NatsServer, free_port
 from .test_gateway_limits import Fleet, answer

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvbus import BlockRemoved, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
-from kvbus.events import SourceStopped
-from kvbus.router import CostWeights, Policy, Router
-from kvbus.subscribe import Resync, ResyncReason
+from kvbus.bus.subscription import Resync, ResyncReason
+from kvbus.routing.router import CostWeights, Policy, Router
+from kvbus.wire.events import SourceStopped
 
 B = 4
 PROMPT = list(range(100, 133))  # 8 full blocks and one token

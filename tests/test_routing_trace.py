@@ -16,7 +16,7 @@ from bench.mooncake import (
     pooled_hit_rate,
 )
 from bench.mooncake import simulate as simulate_router
-from kvbus.router import CostWeights, Router
+from kvbus.routing.router import CostWeights, Router
 
 ENGINES = 4
 Setting = tuple[Workload, list[TraceRequest], int]

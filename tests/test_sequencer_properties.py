@@ -1,10 +1,10 @@
-"""Properties of `kvbus.sequencer.Sequencer` alone: no transport, no event loop, no clock.
+"""Properties of `kvbus.bus.sequencer.Sequencer` alone: no transport, no event loop, no clock.
 
 A model publisher writes a few sources' epochs of seqs, dropping some (announced by a
 gap marker on the next message, or by a trailing loss notice) and sending some
 malformed; a model store perturbs them (interleaves the sources, duplicates, swaps
 neighbours); the live read loses some entries and history has lost some too. The test
-drives the sequencer the way `kvbus.subscribe.Subscription` does, with its own clock,
+drives the sequencer the way `kvbus.bus.subscription.Subscription` does, with its own clock,
 and checks what comes out of it:
 
 * per source (until it is forgotten: ``max_sources``) the items are contiguous: each
@@ -32,8 +32,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbus.envelope import Envelope, Kind
-from kvbus.sequencer import (
+from kvbus.bus.sequencer import (
     Outcome,
     Resync,
     ResyncReason,
@@ -41,6 +40,7 @@ from kvbus.sequencer import (
     SourceState,
     SubscriptionStats,
 )
+from kvbus.wire.envelope import Envelope, Kind
 
 MALFORMED = b"M"
 LOSS_NOTICE = b"L"

@@ -1,4 +1,4 @@
-"""Snapshots (kvbus.snapshot, kvbus.compact): the fold, and a consumer whose cursor
+"""Snapshots (kvbus.wire.snapshot, kvbus.ops.compact): the fold, and a consumer whose cursor
 points into trimmed history getting exact state back. Every transport's store, and a
 late consumer, are in test_conformance.py; a real engine in test_vllm_events.py."""
 
@@ -13,10 +13,10 @@ from kvbus import (
     Resync,
     ResyncReason,
 )
-from kvbus.compact import Compactor
-from kvbus.events import encode
-from kvbus.index import PrefixIndex
-from kvbus.snapshot import SourceFold
+from kvbus.ops.compact import Compactor
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import encode
+from kvbus.wire.snapshot import SourceFold
 
 from .test_conformance import cache_workload
 

@@ -25,12 +25,12 @@ import kvbus
 import kvbus.metrics
 from kvbus import Message, Resync
 from kvbus.logs import LimitedLog, displayable, shown
-from kvbus.snapshot import CURSOR_NAME, Snapshot, encode_snapshot
+from kvbus.wire.snapshot import CURSOR_NAME, Snapshot, encode_snapshot
 
 from .conftest import append_raw, envelope, kv_payload, read_until
 
 # The module, not the function `kvbus.subscribe` that its name is shadowed by.
-subscribe_module = importlib.import_module("kvbus.subscribe")
+subscribe_module = importlib.import_module("kvbus.bus.subscription")
 EPOCH = time.time_ns() - 3600 * 10**9  # a source that started an hour ago
 _streams = itertools.count()
 

@@ -11,8 +11,8 @@ import pytest
 
 import kvbus
 from kvbus import Kind, Message, Resync, ResyncReason
-from kvbus.events import KVEventBatch, LoadMetrics, encode
 from kvbus.logs import LimitedLog
+from kvbus.wire.events import KVEventBatch, LoadMetrics, encode
 
 from .conftest import append_raw, collect, envelope, kv_payload, seqs
 
@@ -256,7 +256,7 @@ async def test_bad_input_is_counted_logged_and_skipped(
     memory_url: str, case: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A fresh once-a-second limiter: another test may just have logged the same kind.
-    module = importlib.import_module("kvbus.subscribe")
+    module = importlib.import_module("kvbus.bus.subscription")
     monkeypatch.setattr(module, "_limited", LimitedLog(module.log))
     bad = {
         "malformed_envelope": b"\x92\xa3not an envelope",

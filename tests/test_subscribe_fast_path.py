@@ -10,9 +10,9 @@ from kvbus.transports import Record
 from kvbus.transports.packing import make_packs
 
 import kvbus
-from kvbus.events import KVEventBatch, decode_kv_batch
-from kvbus.subscribe import _SLICE as SLICE
-from kvbus.subscribe import Message, Resync, ResyncReason
+from kvbus.bus.subscription import _SLICE as SLICE
+from kvbus.bus.subscription import Message, Resync, ResyncReason
+from kvbus.wire.events import KVEventBatch, decode_kv_batch
 
 from .conftest import append_raw, collect, envelope, kv_payload, seqs, take_then_close
 from .servers import RedisServer

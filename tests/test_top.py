@@ -17,17 +17,17 @@ import pytest
 from kvbus.transports import Record, open_transport
 
 import kvbus
+from kvbus.bus.subscription import Message, Resync, ResyncReason
 from kvbus.cli import main
-from kvbus.envelope import Kind
-from kvbus.events import (
+from kvbus.ops.top import Fleet, StreamView, TopReport, WorkerView, render
+from kvbus.wire.envelope import Kind
+from kvbus.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     LoadMetrics,
 )
-from kvbus.subscribe import Message, Resync, ResyncReason
-from kvbus.top import Fleet, StreamView, TopReport, WorkerView, render
 
 from .conftest import envelope
 from .servers import RedisServer, free_port

@@ -10,10 +10,9 @@ import msgspec
 import prometheus_client as prom
 import pytest
 
-import kvbus.transfers
+import kvbus.routing.transfers
 from kvbus import Kind, Message
-from kvbus.events import ConnectorBatch, ConnectorStats, TransferEvent, encode
-from kvbus.transfers import (
+from kvbus.routing.transfers import (
     MAX_INCREMENT,
     MAX_SOURCES,
     MAX_STAT_SERIES,
@@ -22,6 +21,7 @@ from kvbus.transfers import (
     TransferTracker,
     additive_fields,
 )
+from kvbus.wire.events import ConnectorBatch, ConnectorStats, TransferEvent, encode
 
 
 def phases(tracker: TransferTracker) -> list[tuple[str, str, str, int]]:
@@ -67,7 +67,7 @@ def test_a_sync_save_counts_only_what_this_engine_computed() -> None:
 def test_a_connector_that_never_reports_cannot_grow_the_tracker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kvbus.transfers, "MAX_TRACKED", 100)
+    monkeypatch.setattr(kvbus.routing.transfers, "MAX_TRACKED", 100)
     tracker = TransferTracker(16, sync_saves=False)
     for i in range(250):
         tracker.load_planned(f"r{i}", 16, [i], is_async=True)
@@ -148,9 +148,9 @@ def test_additive_fields_of_vllm_offloading_stats() -> None:
 
 
 def test_hostile_digests_and_sources_cost_bounded_series(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbus.events import BlockDigest
+    from kvbus.wire.events import BlockDigest
 
-    monkeypatch.setattr(kvbus.transfers, "MAX_SOURCES", 3)
+    monkeypatch.setattr(kvbus.routing.transfers, "MAX_SOURCES", 3)
     registry = prom.CollectorRegistry()
     metrics = ConnectorMetrics(registry)
     digests = [BlockDigest("r", f"dir{i}", 0, 0, b"") for i in range(1000)]

@@ -16,7 +16,7 @@ from kvbus.transports.zmq import ZmqTransport
 
 import kvbus
 from kvbus import Message, Resync, ResyncReason
-from kvbus.envelope import decode_envelope
+from kvbus.wire.envelope import decode_envelope
 
 from .conftest import Item, envelope, kv_payload, last_seq_is, read_until, seqs
 from .servers import NatsServer, RedisServer, free_port

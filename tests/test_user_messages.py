@@ -26,8 +26,8 @@ from kvbus.transports.nats import JetStreamUnavailable
 
 import kvbus
 from kvbus import Kind
-from kvbus.gateway import UNREPORTED, RouterApp, _cached_tokens, start
-from kvbus.router import Router
+from kvbus.routing.router import Router
+from kvbus.service.gateway import UNREPORTED, RouterApp, _cached_tokens, start
 
 from .conftest import append_raw, envelope
 from .servers import NatsServer
@@ -186,7 +186,7 @@ async def test_a_model_path_relative_to_the_engine_says_pass_tokenizer_and_route
     do, and requests are served, routed by load alone."""
     make_model(tmp_path / "engine" / "tiny-llama")  # there for the engine, not the router
     assert not os.path.exists("tiny-llama")  # noqa: ASYNC240 (one stat)
-    caplog.set_level(logging.INFO, logger="kvbus.router")
+    caplog.set_level(logging.INFO, logger="kvbus.routing.router")
 
     async def cards(request: web.Request) -> web.Response:
         card = {"id": "./tiny-llama", "object": "model", "root": "./tiny-llama", "parent": None}
@@ -211,7 +211,7 @@ async def test_a_tokenizer_option_that_will_not_load_says_so(
 ) -> None:
     """``--tokenizer`` with a relative path that is not there: the router's discovery
     used to die with it (no model list either)."""
-    caplog.set_level(logging.INFO, logger="kvbus.router")
+    caplog.set_level(logging.INFO, logger="kvbus.routing.router")
     await add_worker(fleet, "a", models)
     assert await run_router(fleet, "./no-such-tokenizer") == 200
     [message] = said(caplog, "could not load the tokenizer")
@@ -297,7 +297,7 @@ async def test_an_engine_without_prompt_tokens_details_is_unreported_not_over(
     """Its predictions used to be checked against 0 cached tokens: every correct one
     counted ``over``. Now they count as ``unreported``, and the log says once per worker
     what to do."""
-    caplog.set_level(logging.INFO, logger="kvbus.router")
+    caplog.set_level(logging.INFO, logger="kvbus.routing.router")
     details = False
 
     async def vllm(request: web.Request) -> web.StreamResponse:
@@ -333,7 +333,7 @@ async def test_a_worker_that_is_not_running_is_one_clean_line(
     fleet: Fleet, tokenizer: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """It used to be logged as the client library's exception repr, repr'd again."""
-    caplog.set_level(logging.INFO, logger="kvbus.router")
+    caplog.set_level(logging.INFO, logger="kvbus.routing.router")
     await fleet.worker("b")
     dead = free_port()  # nothing listens there
     fleet.workers["a"] = f"http://127.0.0.1:{dead}"
@@ -390,7 +390,7 @@ async def test_sources_that_join_are_not_news_and_gaps_are(
     with "resync ...: joined, lost (1, 4)" at INFO for every engine."""
     epoch = 7
     await append_raw(memory_url, [envelope("a", epoch, seq) for seq in (5, 6, 9)])
-    caplog.set_level(logging.INFO, logger="kvbus.subscribe")
+    caplog.set_level(logging.INFO, logger="kvbus.bus.subscription")
     sub = kvbus.subscribe("kv", memory_url, follow=False, gap_timeout=0)
     async with sub:
         reasons = [i.reason.value async for i in sub if isinstance(i, kvbus.Resync)]
@@ -399,7 +399,7 @@ async def test_sources_that_join_are_not_news_and_gaps_are(
         "kvbus: resync 'a' in kv epoch 7: gap, seqs 7-8 lost"
     ]
     caplog.clear()
-    caplog.set_level(logging.DEBUG, logger="kvbus.subscribe")
+    caplog.set_level(logging.DEBUG, logger="kvbus.bus.subscription")
     sub = kvbus.subscribe("kv", memory_url, follow=False, gap_timeout=0)
     async with sub:
         [item async for item in sub]

@@ -22,8 +22,8 @@ import pytest
 from cluster import engine_options, make_model
 
 from kvbus import Kind, Message
-from kvbus.events import ConnectorBatch, TransferEvent, decode_raw
-from kvbus.index import PrefixIndex
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import ConnectorBatch, TransferEvent, decode_raw
 from tests.kv_inner import generate, prompt, wrapped
 
 from .conftest import collect, in_process_engine_env
@@ -229,7 +229,7 @@ async def test_bad_stats_are_counted_and_announced_and_nothing_else_lost(
 
 def test_tail_prints_connector_records_with_tuple_keys_as_strings() -> None:
     from kvbus.cli import as_json
-    from kvbus.events import ConnectorStats, encode
+    from kvbus.wire.events import ConnectorStats, encode
 
     payload = msgspec.msgpack.encode({"data": {("CPU_to_GPU",): 3}, "n": 1})
     body = ConnectorBatch(

@@ -16,8 +16,8 @@ from cluster import engine_options, make_model
 
 import kvbus
 from kvbus import Message
-from kvbus.events import ConnectorBatch, TransferEvent, decode_raw
-from kvbus.index import PrefixIndex
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import ConnectorBatch, TransferEvent, decode_raw
 from tests.kv_inner import generate, prompt, wrapped
 
 from .conftest import scoped_env

@@ -18,7 +18,7 @@ from cluster import BLOCK, engine_options, make_model
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
-from kvbus.index import PrefixIndex
+from kvbus.routing.index import PrefixIndex
 
 from .conftest import Bus, collect, in_process_engine_env
 from .servers import free_port
@@ -407,7 +407,7 @@ async def test_a_consumer_after_trimmed_history_equals_the_block_pool(llm: Any) 
     exactly the engine's block pool (without them it gets a JOINED resync and a part)."""
     from kvbus.connectors.vllm_events import KvbusEventPublisher
 
-    from kvbus.compact import Compactor
+    from kvbus.ops.compact import Compactor
 
     sched = scheduler(llm)
     plugin_publisher = sched.kv_event_publisher

@@ -16,9 +16,9 @@ from kvbus.transports import zmq as zmq_transport
 from kvbus.transports import zmq_server
 
 import kvbus
-from kvbus.events import BlockRemoved, BlockStored, KVEventBatch, encode
-from kvbus.index import PrefixIndex
-from kvbus.snapshot import SourceFold
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import BlockRemoved, BlockStored, KVEventBatch, encode
+from kvbus.wire.snapshot import SourceFold
 
 from .conftest import kv_payload, last_seq_is, read_until, seqs
 from .servers import free_port

@@ -51,7 +51,7 @@ class Entry(msgspec.Struct, frozen=True, gc=False):
 
 class BackendUnusable(ConnectionError):
     """The backend answers but cannot serve kvbus as it is set up (NATS without
-    JetStream); the message says what to change. Not retried (`kvbus.retry`): a read
+    JetStream); the message says what to change. Not retried (`kvbus.bus.retry`): a read
     that does not follow raises it to its consumer; an append or a following read waits
     for the backend to be usable instead of raising it."""
 
@@ -118,7 +118,7 @@ class Transport(abc.ABC):
 
     async def put_snapshot(self, stream: str, name: str, data: bytes) -> None:
         """Store ``data`` as the snapshot ``name`` of ``stream``, replacing the last one
-        (see `kvbus.snapshot`); a backend that keeps none raises NotImplementedError."""
+        (see `kvbus.wire.snapshot`); a backend that keeps none raises NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} keeps no snapshots")
 
     async def get_snapshots(self, stream: str) -> dict[str, bytes]:

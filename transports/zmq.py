@@ -32,14 +32,14 @@ subscriber waits for one answer at a time), and at most 64 run at once, the olde
 giving way.
 
 With ``snapshots=1`` the publishing process also folds the kv batches it publishes (see
-`kvbus.snapshot.PublishedFolds`) and serves each source's snapshot to
+`kvbus.wire.snapshot.PublishedFolds`) and serves each source's snapshot to
 ``subscribe(snapshot=True)``: zmq has no server to keep them, and no compactor can see
 what was published before it started. It costs the publisher's sender thread about 30
 µs per 16-block batch (BENCHMARKS.md), so it is off by default. A snapshot request is
 unauthenticated, so it costs the publishing process nothing in the size of its folds:
 the endpoint serves the snapshots it took last, outside its lock, and takes them again
 only when the folds changed by as many blocks as they hold, or when the ring no longer
-holds what follows their cursor (`kvbus.snapshot.PublishedFolds.due`), so taking them
+holds what follows their cursor (`kvbus.wire.snapshot.PublishedFolds.due`), so taking them
 is paid for by the publishing, not by the requests. A peer may ask for snapshots 4
 times at once, then once a second (more is refused unanswered, counted in
 ``refused_requests``); what it is sent is queued on its connection, at most ``hwm``
@@ -66,7 +66,7 @@ from kvbus.transports.zmq_reader import Reader, merge_readers
 from kvbus.transports.zmq_server import Server, acquire_server, release_server
 
 from kvbus.config import redact_url
-from kvbus.snapshot import CURSOR_NAME
+from kvbus.wire.snapshot import CURSOR_NAME
 
 DEFAULT_RING: Final = 100_000
 DEFAULT_RING_BYTES: Final = 64 * 1024 * 1024

@@ -30,7 +30,7 @@ from kvbus.transports.zmq_protocol import (
 )
 
 from kvbus.logs import LimitedLog
-from kvbus.snapshot import PublishedFolds
+from kvbus.wire.snapshot import PublishedFolds
 
 log = logging.getLogger("kvbus.transports.zmq")
 _limited = LimitedLog(log)

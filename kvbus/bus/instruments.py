@@ -1,0 +1,124 @@
+"""The bus's own registry of what its publishers and subscriptions count.
+
+Every `kvbus.Publisher` and `kvbus.Subscription` registers here (weakly) when it is made,
+and what one had counted is kept here when it is garbage-collected, so that no counter
+goes down when an object goes (the router's history read ends before its live read
+begins). Operations code (`kvbus.metrics`, its Prometheus collector) reads from here:
+the bus never imports it, whether or not metrics are ever served.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import msgspec
+
+if TYPE_CHECKING:
+    from kvbus.bus.publisher import Publisher, PublisherStats
+    from kvbus.bus.sequencer import SubscriptionStats
+    from kvbus.bus.subscription import Subscription
+
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+APPEND_BUCKETS: Final = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+"""Upper bounds (seconds) of the append latency histogram's buckets (+Inf is implied)."""
+
+
+class LatencyHistogram:
+    """Cumulative-at-read histogram with fixed buckets, cheap enough for a sender thread
+    (one bisect and two adds per observation, no lock: one writer)."""
+
+    def __init__(self, bounds: tuple[float, ...] = APPEND_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def add(self, other: LatencyHistogram) -> None:
+        """Count ``other``'s observations here too (same bounds)."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.sum += other.sum
+
+
+def add_counts(a: _S, b: _S) -> _S:
+    """Field-wise sum of two structs of counters of the same type (samples,
+    `SubscriptionStats`): numbers and per-key maps added, ``lag_*`` the larger."""
+    values: dict[str, Any] = {}
+    for name in a.__struct_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if name.startswith("lag_"):
+            values[name] = max(x, y)
+        elif isinstance(x, str):
+            values[name] = x
+        elif isinstance(x, dict):
+            values[name] = {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}}
+        elif isinstance(x, list):
+            values[name] = [i + j for i, j in zip(x, y, strict=False)]
+        else:
+            values[name] = x + y
+    return type(a)(**values)
+
+
+publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
+"""This process's live publishers."""
+subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
+"""This process's live subscriptions."""
+# What collected objects had counted, by their labels: (stream, source) for publishers,
+# stream for subscriptions (two objects with the same labels are summed).
+_retired_publishers: dict[tuple[str, str], tuple[PublisherStats, LatencyHistogram]] = {}
+_retired_subscriptions: dict[str, SubscriptionStats] = {}
+_retired_lock = threading.Lock()
+
+
+def track_publisher(publisher: Publisher) -> None:
+    publishers.add(publisher)
+    weakref.finalize(
+        publisher,
+        _retire_publisher,
+        publisher.stream,
+        publisher.source,
+        publisher.stats,
+        publisher.append_latency,
+    )
+
+
+def track_subscription(subscription: Subscription) -> None:
+    subscriptions.add(subscription)
+    weakref.finalize(subscription, _retire_subscription, subscription.stream, subscription.stats)
+
+
+def _retire_publisher(
+    stream: str, source: str, stats: PublisherStats, latency: LatencyHistogram
+) -> None:
+    with _retired_lock:
+        # New objects (never changed once stored): what the object counted when it went.
+        seen_stats, seen_latency = _retired_publishers.get((stream, source), (type(stats)(), None))
+        merged = LatencyHistogram(latency.bounds)
+        for counted in (seen_latency, latency):
+            if counted is not None:
+                merged.add(counted)
+        _retired_publishers[stream, source] = (add_counts(seen_stats, stats), merged)
+
+
+def _retire_subscription(stream: str, stats: SubscriptionStats) -> None:
+    with _retired_lock:
+        seen = _retired_subscriptions.get(stream) or type(stats)()
+        _retired_subscriptions[stream] = add_counts(seen, stats)
+
+
+def retired_publishers() -> list[tuple[str, str, PublisherStats, LatencyHistogram]]:
+    """What collected publishers counted: (stream, source, stats, append latency)."""
+    with _retired_lock:
+        return [(*labels, *counted) for labels, counted in _retired_publishers.items()]
+
+
+def retired_subscriptions() -> list[tuple[str, SubscriptionStats]]:
+    """What collected subscriptions counted: (stream, stats)."""
+    with _retired_lock:
+        return list(_retired_subscriptions.items())

@@ -1,0 +1,273 @@
+"""The routing policy: the cost of each worker for a request, from the prefix it holds,
+the room in its cache and its load (`CostModel`), and the `Decision` it makes.
+
+Cost of a worker for a request, in blocks of prefill (lowest wins; ties drawn by a
+seeded generator, so the same inputs give the same decisions)::
+
+    prefill  * blocks it would compute + queued * blocks queued ahead of them there
+  + eviction * blocks it would newly cache * its excess share of recent insertions
+  + running  * requests of this router decoding there
+  + waiting  * other requests there (the engine's running + waiting, less this router's)
+  + kv_usage * its KV cache usage (0..1)
+
+The eviction term keeps the fleet's caches working as one. Every block a worker newly
+caches evicts its least recently used one, so a worker that caches more than its share
+(its KV capacity over the fleet's) of what the fleet cached lately keeps its blocks for a
+shorter time than the others: its cache thrashes while theirs sit idle. Its *excess*
+(its share of the fleet's newly cached blocks, over the last fleet-capacity of them,
+divided by its capacity share, less one; zero at or below its share) makes its new blocks
+dearer, so a new conversation goes where it evicts least while a conversation whose
+prefix a worker holds stays there.
+
+The figures come from a `kvbus.routing.fleet_state.FleetState` (its load cost per worker is
+`CostModel.load_cost`'s, kept current as requests come and go); the model holds only the
+policy's own state (the weights, the tie-breaking generator, the round-robin turn).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from typing import Final
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvbus.routing.fleet_state import FleetState
+from kvbus.routing.index import PrefixIndex, mask_numbers
+
+_MASK_CACHE: Final = 256
+_FEW: Final = 64
+
+
+class Policy(str, enum.Enum):
+    KV = "kv"
+    """Lowest cost: prefix held and load (see the module docstring)."""
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+
+
+class CostWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """Weights of the routing cost, in blocks of prefill."""
+
+    prefill: float = 1.0
+    queued: float = 0.1
+    """Per block still to prefill for requests of this router queued on the worker. 1
+    would minimise each request's own TTFT; lower keeps conversations where their
+    prefix is, which saves the fleet the recompute (on a busy fleet, where queues form,
+    that compute delays every request)."""
+    eviction: float = 0.5
+    """Per block newly cached, per unit of the worker's excess share of insertions (a
+    block evicted from a cache's tail is rarely worth a whole block of prefill)."""
+    waiting: float = 4.0
+    """Per request on the worker that this router did not send."""
+    running: float = 0.5
+    """Per request of this router that is streaming there (decoding): a decode step
+    costs the next prefill little."""
+    kv_usage: float = 8.0
+
+
+class Decision(msgspec.Struct, kw_only=True):
+    """Where one request goes and what the router expects the engine to find cached."""
+
+    worker: str
+    policy: Policy
+    prompt_tokens: int
+    matched_tokens: int
+    """Prefix tokens the worker holds (by the index, plus requests just routed there)."""
+    predicted_cached_tokens: int
+    """What the engine should report as ``cached_tokens``: the matched full blocks, less
+    the last one when the whole prompt matched (vLLM always computes one token)."""
+    cost: float
+    prefill_blocks: float = 0.0
+    """Blocks the worker would compute (held ones off the GPU count in part)."""
+    new_blocks: int = 0
+    """Blocks the worker would newly cache."""
+    excess: float = 0.0
+    """The worker's share of recent insertions over its capacity share, less one."""
+    load: float = 0.0
+    """The load part of ``cost``."""
+    runner_up: str | None = None
+    runner_up_cost: float = math.inf
+    streaming: bool = False
+    """Whether `Router.started` was told the response is streaming."""
+    keys: list[int] = []
+    """The prompt's block keys, added to the worker's prefix while the request runs."""
+    number: int = -1
+    request: int = 0
+    """This router's number for the request, when it shares its routes (``share``)."""
+    peer: str = ""
+    """The replica that routed it, for another replica's request; "" for this one's."""
+    engine_load: bool = False
+    """The worker's load came from its own endpoint (`Router.apply_engine_load`), not
+    from the bus: the bus was down or told nothing of it."""
+
+    def explain(self) -> str:
+        """One line: the pick, its terms and the runner-up."""
+        why = (
+            f"{self.policy.value} -> {self.worker}: cost {self.cost:.2f} = prefill "
+            f"{self.prefill_blocks:.2f} of {self.prompt_tokens} tokens (holds "
+            f"{self.matched_tokens}) + evicting {self.new_blocks} at excess "
+            f"{self.excess:.2f} + load {self.load:.2f}"
+        )
+        if self.runner_up is not None:
+            why += f"; runner-up {self.runner_up} at {self.runner_up_cost:.2f}"
+        return why
+
+
+class CostModel:
+    """Picks the worker for a request by ``policy`` from what a `FleetState` knows."""
+
+    def __init__(
+        self, policy: Policy, weights: CostWeights, index: PrefixIndex, seed: int | None
+    ) -> None:
+        self.policy = policy
+        self.weights = weights
+        self.index = index
+        self._rng = random.Random(seed)
+        self._members: dict[int, npt.NDArray[np.intp]] = {}
+        self._turn = 0
+
+    def load_cost(
+        self, queued_blocks: float, streaming: int, others: int, kv_usage: float
+    ) -> float:
+        """The load part of a worker's cost (`kvbus.routing.fleet_state.LoadCost`)."""
+        w = self.weights
+        return (
+            w.queued * queued_blocks
+            + w.running * streaming
+            + w.waiting * others
+            + w.kv_usage * kv_usage
+        )
+
+    def choose(
+        self,
+        state: FleetState,
+        load: npt.NDArray[np.float64],
+        keys: list[int],
+        prompt_tokens: int,
+    ) -> Decision | None:
+        """The pick among the workers of finite ``load`` for a prompt of ``keys``
+        (``None``: none may get traffic)."""
+        eligible = np.flatnonzero(np.isfinite(load))
+        if not len(eligible):
+            return None
+        if self.policy is not Policy.KV:
+            if self.policy is Policy.ROUND_ROBIN:
+                self._turn += 1
+                number = int(eligible[self._turn % len(eligible)])
+            else:
+                number = int(self._rng.choice(eligible))
+            held = self._depth(state, number, keys)
+            return self._decide(state, number, keys, held, prompt_tokens, float(load[number]))
+        depth = self._depths(state, keys, len(load))
+        saved = self._weighted(state, depth, keys) if self.index.offloaded else depth
+        w = self.weights
+        new = len(keys) - depth
+        excess = self._excess(state, eligible, len(load))
+        cost = load + w.prefill * (len(keys) - saved) + w.eviction * new * excess
+        best = float(cost.min())
+        ties = np.flatnonzero(cost <= best + 1e-9)
+        number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
+        decision = self._decide(state, number, keys, int(depth[number]), prompt_tokens, best)
+        decision.prefill_blocks = float(len(keys) - saved[number])
+        decision.excess = float(excess[number])
+        cost[number] = np.inf
+        second = int(cost.argmin())
+        if np.isfinite(cost[second]):
+            decision.runner_up = self.index.worker_name(second)
+            decision.runner_up_cost = float(cost[second])
+        return decision
+
+    def _excess(
+        self, state: FleetState, eligible: npt.NDArray[np.intp], size: int
+    ) -> npt.NDArray[np.float64]:
+        """Per worker: its share of the blocks the eligible workers newly cached lately,
+        over its share of their capacity, less one (zero when at or below its share);
+        scaled down while those blocks would not yet fill the fleet's caches (a block
+        cached into free room evicts nothing)."""
+        excess = np.zeros(size)
+        inserted = state.inserted[eligible]
+        total = float(inserted.sum())
+        if total <= 0:
+            return excess
+        capacity = state.capacity[eligible]
+        known = capacity > 0
+        # A worker of unknown capacity counts as the average known one (or all equal).
+        capacity = np.where(known, capacity, capacity[known].mean() if known.any() else 1.0)
+        fleet = float(capacity.sum())
+        share = (inserted / total) / (capacity / fleet)
+        excess[eligible] = np.maximum(share - 1.0, 0.0) * min(1.0, total / fleet)
+        return excess
+
+    def _depths(self, state: FleetState, keys: list[int], size: int) -> npt.NDArray[np.float64]:
+        """Leading blocks of ``keys`` each worker holds or is about to (requests just
+        routed to it)."""
+        depth = np.zeros(size)
+        for mask, blocks in self.index.match_masks(keys, state.pending_masks):
+            depth[self._numbers(mask)] = blocks  # shallowest first: deeper overwrite
+        return depth
+
+    def _weighted(
+        self, state: FleetState, depth: npt.NDArray[np.float64], keys: list[int]
+    ) -> npt.NDArray[np.float64]:
+        """``depth`` with blocks held only off the GPU counted at their medium's weight,
+        for the few deepest workers (enough to rank the best candidates)."""
+        saved = depth.copy()
+        top = int(depth.max())
+        deepest = np.flatnonzero(depth == top)
+        if top and len(deepest) <= _FEW:
+            for number in deepest:
+                pending = state.pending.get(int(number), {})
+                name = self.index.worker_name(int(number))
+                stored = [k for k in keys[:top] if k not in pending]
+                saved[number] = top - len(stored) + self.index.weighted_blocks(name, stored)
+        return saved
+
+    def _depth(self, state: FleetState, number: int, keys: list[int]) -> int:
+        """Leading blocks of ``keys`` one worker holds or is about to."""
+        groups = self.index.match_masks(keys, state.pending_masks)
+        return next((blocks for mask, blocks in reversed(groups) if mask >> number & 1), 0)
+
+    def _numbers(self, mask: int) -> npt.NDArray[np.intp]:
+        """The worker numbers in a holder mask (large ones recur: cached)."""
+        if mask.bit_count() <= _FEW:
+            return np.array(mask_numbers(mask), dtype=np.intp)
+        found = self._members.get(mask)
+        if found is None:
+            if len(self._members) >= _MASK_CACHE:
+                self._members.clear()
+            raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+            found = self._members[mask] = np.flatnonzero(np.unpackbits(raw, bitorder="little"))
+        return found
+
+    def _decide(
+        self,
+        state: FleetState,
+        number: int,
+        keys: list[int],
+        blocks: int,
+        prompt_tokens: int,
+        cost: float,
+    ) -> Decision:
+        block_size = self.index.block_size or 0
+        matched = blocks * block_size
+        # vLLM computes at least the last prompt token, so a fully cached prompt reports
+        # its last block as computed (whole blocks only).
+        cap = (prompt_tokens - 1) // block_size * block_size if block_size else 0
+        return Decision(
+            worker=self.index.worker_name(number),
+            policy=self.policy,
+            prompt_tokens=prompt_tokens,
+            matched_tokens=matched,
+            predicted_cached_tokens=min(matched, max(cap, 0)),
+            cost=cost,
+            prefill_blocks=float(len(keys) - blocks),
+            new_blocks=len(keys) - blocks,
+            load=float(state.load[number]),
+            keys=keys,
+            number=number,
+            engine_load=number in state.from_engine,
+        )

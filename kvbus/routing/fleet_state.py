@@ -1,0 +1,362 @@
+"""What `kvbus.routing.router.Router` knows of its workers: load, freshness, capacity, recent
+insertions and the requests in flight. The cost model (`kvbus.routing.cost`) reads it;
+nothing here decides where a request goes.
+
+Load is counted in the same unit as the prefix: a request this router sent that has not
+started streaming yet (the caller says when it does: `Router.started`) still has its
+uncached blocks to prefill, and the new request would wait for them; one that is
+streaming costs a decode slot. Requests the router did not send (other routers, direct
+clients) come from the engine's latest `LoadMetrics`, less this router's own (those that
+ended within ``linger`` seconds included: the engine's record may predate their end).
+
+Insertions feed the cost's eviction term: they are counted from the engines' own
+``BlockStored`` events (decode blocks and other routers' traffic included) plus the
+blocks of requests this router sent that have not ended, over a window of about one
+fleet capacity of them. Capacity is each engine's ``LoadMetrics.kv_cache_blocks`` (or
+the most blocks it was seen holding).
+
+A request just routed adds its prompt's blocks to that worker's prefix at once
+(until it finishes, plus ``linger`` seconds), so a burst of similar requests does not
+all miss before the engine's events arrive. A worker stops receiving traffic when its
+metrics are older than ``stale_after`` seconds (the stat logger beats every 2 s), when
+it stops (`SourceStopped`), or for ``seconds`` after `FleetState.mark_down`.
+
+When the bus tells nothing of a worker (the bus is down, or its engine publishes under
+another name), its load can come from its own endpoint instead (`apply_engine_load`),
+taken as the bus's would be.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Collection
+from typing import Final, Protocol
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvbus.logs import LimitedLog, shown
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import LoadMetrics
+
+_limited = LimitedLog(logging.getLogger("kvbus.routing.router"))
+MAX_KV_CACHE_BLOCKS: Final = 1 << 24
+"""The most KV cache blocks a worker's load record may claim (vLLM's largest caches hold
+a few million); a larger claim counts as this many (``Router.load_clamped``)."""
+
+LoadCost = Callable[[float, int, int, float], float]
+"""A worker's load cost from (blocks this router's queued requests still prefill there,
+its requests streaming there, other requests there, KV cache usage): the cost model's."""
+
+
+class Routed(Protocol):
+    """A request counted on a worker (`kvbus.routing.cost.Decision` is one)."""
+
+    worker: str
+    number: int
+    """The worker's number in the index."""
+    keys: list[int]
+    prefill_blocks: float
+    new_blocks: int
+    streaming: bool
+
+
+class FleetState:
+    """Per worker (by the index's number, so the index's holder masks address the
+    arrays): its load cost, freshness, capacity and recent insertions, and this
+    router's requests on it. The clock is the caller's (a test's fake one, say)."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        clock: Callable[[], float],
+        stale_after: float,
+        linger: float,
+        load_cost: LoadCost,
+    ) -> None:
+        self.index = index
+        self.stale_after = stale_after
+        self.linger = linger
+        self.load_clamped = 0
+        """Load records with a figure out of range (`MAX_KV_CACHE_BLOCKS`, a KV usage
+        outside 0..1 or not a number), applied with it clamped."""
+        self._clock = clock
+        self._load_cost = load_cost
+        self.load_workers: dict[str, int] = {}
+        """Workers that sent load records: only these may appear in peers' events."""
+        self.load: npt.NDArray[np.float64] = np.full(16, np.inf)
+        """load cost of each worker; inf: not eligible"""
+        self.capacity = np.zeros(16)
+        """KV cache blocks of each worker (reported, else the most seen held)"""
+        self.fresh = np.zeros(16)
+        """until when each worker's latest load record counts (0: none, or it stopped)"""
+        self.inserted = np.zeros(16)
+        """blocks each worker newly cached lately (the window below, plus in flight)"""
+        self._window: deque[tuple[int, int]] = deque()
+        """(worker, blocks) newly cached, oldest first, about a fleet capacity of them"""
+        self._window_blocks = 0
+        self._stored_seen: dict[int, int] = {}
+        self._metrics: dict[int, LoadMetrics] = {}
+        self._heard: dict[int, float] = {}
+        """worker -> when (clock) its latest load record on the bus was made"""
+        self.from_engine: set[int] = set()
+        """workers whose latest load record came from their own endpoint"""
+        self._down_until: dict[int, float] = {}
+        self._queued: dict[int, list[float]] = {}
+        """worker -> [requests of this router not streaming yet, their blocks to prefill]"""
+        self._streaming: dict[int, int] = {}
+        """worker -> requests of this router streaming (decoding)"""
+        self.pending: dict[int, dict[int, int]] = {}
+        """worker -> {block key of a request in flight -> requests}"""
+        self.pending_masks: dict[int, int] = {}
+        """block key -> mask of the workers it is pending on (index-style, for matching)"""
+        self._finishing: deque[tuple[float, Routed]] = deque()
+        self._ended: deque[tuple[float, int]] = deque()
+        """(until, worker) of requests of this router that ended less than ``linger``
+        ago: the engine's next load record may still count them"""
+        self._ended_count: dict[int, int] = {}
+
+    # --- what the engines say --------------------------------------------------------
+
+    def count_insertions(self, worker: str) -> None:
+        """``worker``'s kv batch was just applied to the index: count what it cached."""
+        number = self.index.worker_number(worker)
+        self._grow(number)
+        stored = self.index.stored(number)
+        added = stored - self._stored_seen.get(number, 0)
+        self._stored_seen[number] = stored
+        self.capacity[number] = max(self.capacity[number], self.index.resident(worker))
+        if added <= 0:
+            return
+        self._window.append((number, added))
+        self._window_blocks += added
+        self.inserted[number] += added
+        # The window spans about one fleet capacity of insertions: what an LRU cache as
+        # large as the whole fleet would still hold. The fleet is the workers whose load
+        # is fresh: a worker gone (or a source that sent one record) widens it no more.
+        span = max(float(self.capacity[self.fresh > self._clock()].sum()), 1.0)
+        while self._window_blocks - self._window[0][1] >= span:
+            old, blocks = self._window.popleft()
+            self._window_blocks -= blocks
+            self.inserted[old] -= blocks
+
+    def apply_load(self, worker: str, metrics: LoadMetrics, age: float) -> None:
+        """A load record of ``worker`` from the bus, made ``age`` seconds ago."""
+        metrics = self._checked(worker, metrics)
+        number = self.index.worker_number(worker)
+        self.load_workers[worker] = number
+        self._grow(number)
+        self._metrics[number] = metrics
+        heard = self._clock() - max(0.0, age)
+        self._heard[number] = heard
+        self.from_engine.discard(number)
+        self.fresh[number] = heard + self.stale_after
+        if metrics.kv_cache_blocks > 0:
+            self.capacity[number] = metrics.kv_cache_blocks
+            # The index then holds no more of this worker's blocks than its engine can.
+            self.index.set_capacity(worker, metrics.kv_cache_blocks)
+        self.refresh(number)
+
+    def apply_engine_load(self, worker: str, metrics: LoadMetrics) -> None:
+        """A load record of ``worker`` read from its own endpoint (see
+        `kvbus.routing.router.Router.apply_engine_load`)."""
+        number = self.index.worker_number(worker)
+        self.load_workers[worker] = number
+        self._grow(number)
+        self._metrics[number] = self._checked(worker, metrics)
+        self.from_engine.add(number)
+        self.fresh[number] = self._clock() + self.stale_after
+        self.refresh(number)
+
+    def load_age(self, worker: str) -> float:
+        """Seconds since ``worker``'s latest load record on the bus was made (inf: none
+        ever came), whatever its endpoint said since."""
+        number = self.load_workers.get(worker)
+        heard = None if number is None else self._heard.get(number)
+        return math.inf if heard is None else self._clock() - heard
+
+    def engine_loaded(self) -> list[str]:
+        """Workers that may get traffic now on a load record from their own endpoint."""
+        now = self._clock()
+        return sorted(
+            self.index.worker_name(n)
+            for n in self.from_engine
+            if self.fresh[n] > now and np.isfinite(self.load[n])
+        )
+
+    def _checked(self, worker: str, metrics: LoadMetrics) -> LoadMetrics:
+        """``metrics`` with the figures the cost reads brought into range: a capacity
+        past `MAX_KV_CACHE_BLOCKS` would widen the insertion window past any fleet's
+        (it would never trim), a usage below 0 would draw every request, a NaN would
+        make the cost NaN. Counted (`load_clamped`) and logged (rate-limited)."""
+        blocks, usage = metrics.kv_cache_blocks, metrics.kv_cache_usage
+        if blocks <= MAX_KV_CACHE_BLOCKS and 0.0 <= usage <= 1.0:  # False for NaN
+            return metrics
+        self.load_clamped += 1
+        _limited.warning(
+            "load",
+            "load record of %s out of range (kv_cache_blocks %d, kv_cache_usage %r): clamped",
+            shown(worker),
+            blocks,
+            usage,
+        )
+        return msgspec.structs.replace(
+            metrics,
+            kv_cache_blocks=min(blocks, MAX_KV_CACHE_BLOCKS),
+            kv_cache_usage=1.0 if math.isnan(usage) else min(max(usage, 0.0), 1.0),
+        )
+
+    def stopped(self, worker: str, ts: float) -> None:
+        """The worker's engine stopped (at ``ts``): no traffic until its next load
+        record. A stop older than the latest record (a past run's, replayed from
+        history) is news of nothing."""
+        number = self.index.worker_number(worker)
+        metrics = self._metrics.get(number)
+        if metrics is not None and metrics.ts > ts:
+            return
+        self._grow(number)
+        self.fresh[number] = 0.0
+        self.refresh(number)
+
+    def mark_down(self, worker: str, seconds: float) -> None:
+        """Send ``worker`` nothing for ``seconds``."""
+        number = self.index.worker_number(worker)
+        self._down_until[number] = self._clock() + seconds
+        self.refresh(number)
+
+    def _grow(self, number: int) -> None:
+        """Make room for worker ``number`` in the per-worker arrays."""
+        size = len(self.load)
+        if number < size:
+            return
+        size = max(number + 1, 2 * size)
+        self.load = np.concatenate([self.load, np.full(size - len(self.load), np.inf)])
+        self.capacity = np.concatenate([self.capacity, np.zeros(size - len(self.capacity))])
+        self.fresh = np.concatenate([self.fresh, np.zeros(size - len(self.fresh))])
+        self.inserted = np.concatenate([self.inserted, np.zeros(size - len(self.inserted))])
+
+    def refresh(self, number: int) -> None:
+        """Recompute one worker's load cost (inf when it may not get traffic)."""
+        self._grow(number)
+        now = self._clock()
+        metrics = self._metrics.get(number)
+        if metrics is None or self.fresh[number] <= now or self._down_until.get(number, 0.0) > now:
+            self.load[number] = np.inf
+            return
+        queued, queued_blocks = self._queued.get(number) or (0, 0.0)
+        streaming = self._streaming.get(number, 0)
+        ours = int(queued) + streaming + self._ended_count.get(number, 0)
+        others = max(0, metrics.running + metrics.waiting - ours)
+        self.load[number] = self._load_cost(
+            queued_blocks, streaming, others, metrics.kv_cache_usage
+        )
+
+    # --- who may get traffic ---------------------------------------------------------
+
+    def eligible_load(self, now: float, exclude: Collection[str]) -> npt.NDArray[np.float64]:
+        """Each worker's load cost, inf for those that may not get traffic now."""
+        # A worker whose metrics went stale since they arrived is out, of the pick and
+        # of the fleet the eviction term compares with, until its next record.
+        load = np.where(self.fresh > now, self.load, np.inf)
+        for name in exclude:
+            number = self.index.worker_number(name)
+            if number < len(load):
+                load[number] = np.inf
+        return load
+
+    def eligible(self) -> list[str]:
+        """Workers that may get traffic now."""
+        now = self._clock()
+        return [
+            self.index.worker_name(int(n))
+            for n in np.flatnonzero(np.isfinite(self.load))
+            if self.fresh[n] > now
+        ]
+
+    # --- requests in flight ----------------------------------------------------------
+
+    def assign(self, request: Routed) -> None:
+        """Count ``request`` on its worker until it finishes: queued for prefill, its
+        blocks about to be cached there."""
+        number = request.number
+        queued = self._queued.setdefault(number, [0, 0.0])
+        queued[0] += 1
+        queued[1] += request.prefill_blocks
+        self.inserted[number] += request.new_blocks
+        pending = self.pending.setdefault(number, {})
+        masks, bit = self.pending_masks, 1 << number
+        for key in request.keys:
+            count = pending.get(key, 0)
+            if not count:
+                masks[key] = masks.get(key, 0) | bit
+            pending[key] = count + 1
+        self.refresh(number)
+
+    def started(self, request: Routed) -> None:
+        """``request`` started streaming (not yet marked so): its prefill is done."""
+        request.streaming = True
+        number = request.number
+        queued = self._queued[number]
+        queued[0] -= 1
+        queued[1] = max(0.0, queued[1] - request.prefill_blocks)
+        self._streaming[number] = self._streaming.get(number, 0) + 1
+        self.refresh(number)
+
+    def finished(self, request: Routed) -> None:
+        """``request`` ended (any way): its load goes now, its prefix blocks stay
+        assumed for ``linger`` seconds, until the engine's events tell."""
+        number = request.number
+        if request.streaming:
+            self._streaming[number] -= 1
+        else:
+            queued = self._queued[number]
+            queued[0] -= 1
+            queued[1] = max(0.0, queued[1] - request.prefill_blocks)
+        # Its new blocks are in the engine's events by now (or were never cached).
+        self.inserted[number] = max(0.0, self.inserted[number] - request.new_blocks)
+        request.new_blocks = 0
+        now = self._clock()
+        self._ended.append((now + self.linger, number))
+        self._ended_count[number] = self._ended_count.get(number, 0) + 1
+        self.refresh(number)
+        # Blocks the engine's events already reported are the index's business from now
+        # on (they may be evicted as soon as the request ends); the rest linger.
+        held: list[int] = []
+        unconfirmed: list[int] = []
+        for key in request.keys:
+            (held if self.index.holds(request.worker, key) else unconfirmed).append(key)
+        self._release(number, held)
+        if unconfirmed:
+            request.keys = unconfirmed
+            self._finishing.append((now + self.linger, request))
+
+    def expire(self, now: float) -> None:
+        """Let go of what ended more than ``linger`` seconds before ``now``."""
+        while self._finishing and self._finishing[0][0] <= now:
+            _, request = self._finishing.popleft()
+            self._release(request.number, request.keys)
+        while self._ended and self._ended[0][0] <= now:
+            _, number = self._ended.popleft()
+            self._ended_count[number] -= 1
+            self.refresh(number)
+
+    def _release(self, number: int, keys: list[int]) -> None:
+        pending = self.pending.get(number)
+        if pending is None:
+            return
+        masks, bit = self.pending_masks, 1 << number
+        for key in keys:
+            left = pending.get(key, 0) - 1
+            if left > 0:
+                pending[key] = left
+            elif pending.pop(key, None) is not None:
+                mask = masks.get(key, 0) & ~bit
+                if mask:
+                    masks[key] = mask
+                else:
+                    masks.pop(key, None)
+        if not pending:
+            del self.pending[number]

@@ -1,0 +1,268 @@
+"""The router service's HTTP side: the OpenAI endpoints it routes (completions, chat),
+the model list, ``/metrics`` and ``/health``; every error it gives in vLLM's shape; the
+time a connection gets for each request head (``--header-timeout``) and a body
+(``--body-timeout``), and the bytes a body may have."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import prometheus_client as prom
+from aiohttp import web
+
+from kvbus.routing.router import Router
+from kvbus.service.bus_followers import BusFollowers
+from kvbus.service.bus_watch import BusWatch
+from kvbus.service.router_metrics import Metrics
+from kvbus.service.served_model import ServedModel, Tokenize
+from kvbus.service.upstream import (
+    QUICK,
+    BodyBudget,
+    RequestBody,
+    Upstream,
+    WorkerBusy,
+    WorkerUnreachable,
+)
+from kvbus.service.worker_names import RANK
+
+log = logging.getLogger("kvbus.routing.router")
+
+
+def error_body(
+    message: str, kind: str, status: int, retry_after: float | None = None
+) -> web.Response:
+    """An error in vLLM's shape (`ErrorResponse`); with ``retry_after``, a
+    ``Retry-After`` header saying when to try again (OpenAI clients honour it)."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    headers = None if retry_after is None else {"Retry-After": str(max(1, round(retry_after)))}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _busy(message: str) -> web.Response:
+    return error_body(message, "ServiceUnavailableError", 503, retry_after=1)
+
+
+class RouterHTTP:
+    """The handlers (`completions`, `chat`, `list_models`, `prometheus`, `health`) and
+    the `errors` middleware of the router's web application."""
+
+    def __init__(
+        self,
+        workers: dict[str, str],
+        router: Router,
+        metrics: Metrics,
+        upstream: Upstream,
+        followers: BusFollowers,
+        watch: BusWatch,
+        served: ServedModel,
+        *,
+        body_timeout: float,
+        max_body_bytes: int,
+        max_held_body_bytes: int,
+    ) -> None:
+        self.workers = workers
+        self.router = router
+        self.metrics = metrics
+        self.upstream = upstream
+        self.followers = followers
+        self.watch = watch
+        self.served = served
+        self.body_timeout = body_timeout
+        if max_held_body_bytes < max_body_bytes:
+            raise ValueError(
+                f"max_held_body_bytes ({max_held_body_bytes}) must hold one body of "
+                f"max_body_bytes ({max_body_bytes})"
+            )
+        self.max_body_bytes = max_body_bytes
+        self.bodies = BodyBudget(max_held_body_bytes)
+        self.header_timeout = 10.0
+        """Set by `kvbus.service.gateway.start`: seconds for each request head, from the
+        connection's opening or its previous response."""
+        self._head_timers: dict[Any, asyncio.TimerHandle] = {}
+        """Connections yet to send a whole request head, and when they must have."""
+
+    @property
+    def ready(self) -> bool:
+        """Some worker may get traffic and the tokenizer is loaded, and the bus's history
+        is read (or the bus is down: routing degraded, not stopped)."""
+        return (
+            ((self.followers.kv_replayed and self.followers.load_read) or not self.followers.bus_up)
+            and (self.served.tokenizer is not None or self.served.tokenizer_error is not None)
+            and bool(self.router.eligible())
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda t, body: t.completion(body))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, lambda t, body: t.chat(body))
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error the router gives in vLLM's shape, none as aiohttp's text/plain."""
+        timer = self._head_timers.pop(request.protocol, None)
+        if timer is not None:
+            timer.cancel()
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except web.HTTPException as error:
+            return error_body(error.reason, type(error).__name__, error.status)
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            return error_body("The router failed on this request.", "InternalServerError", 500)
+        finally:
+            # The next request on this connection (keep-alive) gets the same time for
+            # its head as the first did: aiohttp alone would wait its keepalive_timeout.
+            self.expect_head(request.protocol, self.header_timeout)
+
+    async def _generate(self, request: web.Request, tokenize: Tokenize) -> web.StreamResponse:
+        body = RequestBody(self.bodies)
+        try:
+            refused = await self._receive(request, body)
+            if refused is not None:  # (a response is a mapping: falsy when empty)
+                return refused
+            return await self._route(request, body, tokenize)
+        finally:
+            body.release()
+
+    async def _receive(self, request: web.Request, body: RequestBody) -> web.Response | None:
+        """Read the request's body into ``body``; an error response instead when it is
+        too large, over the bytes all bodies may hold at once, or too slow."""
+        declared = request.content_length
+        if declared is not None and declared > self.max_body_bytes:
+            return self._too_large()  # refused before a byte of it is read
+        try:
+            async with asyncio.timeout(self.body_timeout):  # no task of its own, unlike wait_for
+                async for chunk in request.content.iter_any():
+                    if len(body.data) + len(chunk) > self.max_body_bytes:
+                        return self._too_large()  # chunked: no length said up front
+                    if not body.add(chunk):
+                        self.metrics.refused.labels("bodies_held").inc()
+                        return _busy("The router holds too many request bodies; try again.")
+        except TimeoutError:
+            return error_body("The request body did not arrive in time.", "RequestTimeout", 408)
+        return None
+
+    def _too_large(self) -> web.Response:
+        self.metrics.refused.labels("body_too_large").inc()
+        return error_body(
+            f"The request body is over the router's limit of {self.max_body_bytes} bytes.",
+            "RequestEntityTooLarge",
+            413,
+        )
+
+    async def _route(
+        self, request: web.Request, body: RequestBody, tokenize: Tokenize
+    ) -> web.StreamResponse:
+        raw = body.data
+        started = time.perf_counter()
+        read = await self.served.read(raw, tokenize)
+        if read is None:  # the engine explains what is wrong with it
+            self.metrics.unrouted.inc()
+            tokens: list[int] = []
+            lora = None
+        else:
+            tokens, lora = read
+        del raw  # only ``body`` holds it now: released once no retry can need it
+        tried: set[str] = set()
+        busy = False
+        while True:
+            decision = self.router.route(tokens, lora, exclude=tried)
+            self.metrics.decision.observe(time.perf_counter() - started)
+            if decision is None:
+                self.metrics.no_worker.inc()
+                if busy:
+                    return _busy("Every vLLM server that is up has all its connections busy.")
+                why = "".join(f" {problem}." for problem in self.watch.problems)
+                return _busy(f"No vLLM server is available: every worker is down or silent.{why}")
+            if not tried and (decision.engine_load or not self.followers.bus_up):
+                self.metrics.degraded_routes.inc()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
+            try:
+                return await self.upstream.forward(request, body, decision)
+            except WorkerBusy:
+                tried.add(decision.worker)  # not its fault: it stays up for the others
+                busy = True
+                self.metrics.busy.labels(decision.worker).inc()
+            except WorkerUnreachable as error:
+                tried.add(decision.worker)
+                self.router.mark_down(decision.worker, self.upstream.down_for)
+                self.upstream.say_unreachable(decision.worker, str(error))
+            finally:
+                self.router.finished(decision)
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        session = self.upstream.session
+        assert session is not None
+        for worker in [*self.router.eligible(), *self.workers]:
+            base = self.workers.get(RANK.sub("", worker))
+            if base is None:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with asyncio.timeout(QUICK.total), self.upstream.quick_slots:
+                    async with session.get(f"{base}/v1/models") as upstream:
+                        return web.Response(
+                            body=await upstream.read(),
+                            status=upstream.status,
+                            content_type="application/json",
+                        )
+        return _busy("No vLLM server is available.")
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        self.metrics.eligible.set(len(self.router.eligible()))
+        self.metrics.blocks.set(len(self.router.index))
+        self.metrics.ready.set(int(self.ready))
+        self.metrics.bus_up.set(int(self.followers.bus_up))
+        self.metrics.unchained.set(self.router.index.unchained)
+        self.metrics.peer_requests.set(self.router.peer_requests)
+        return web.Response(
+            body=prom.generate_latest(self.metrics.registry),
+            headers={"Content-Type": prom.CONTENT_TYPE_LATEST},
+        )
+
+    def expect_head(self, protocol: Any, timeout: float) -> None:
+        """Close ``protocol``'s connection unless a whole request head arrives within
+        ``timeout`` seconds (`errors` stops the clock when one has)."""
+        loop = asyncio.get_running_loop()
+        previous = self._head_timers.pop(protocol, None)
+        if previous is not None:
+            previous.cancel()
+        self._head_timers[protocol] = loop.call_later(timeout, self._close_silent, protocol)
+
+    def _close_silent(self, protocol: Any) -> None:
+        self._head_timers.pop(protocol, None)
+        transport = getattr(protocol, "transport", None)
+        if transport is not None and not transport.is_closing():
+            self.metrics.slow_clients.inc()
+            # A client that has not even read the last response: do not wait on it.
+            if transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Ready or not (200 or 503), and why: what is read, who may get traffic, the
+        bus's state and routing's (``degraded`` while some worker's load comes from its
+        own endpoint), and the set-up mistakes seen (`BusWatch.problems`)."""
+        engine_load = self.router.engine_loaded()
+        bus_up = self.followers.bus_up
+        state = {
+            "ready": self.ready,
+            "kv_history": self.followers.kv_replayed,
+            "load": self.followers.load_read,
+            "tokenizer": self.served.tokenizer is not None,
+            "tokenizer_error": self.served.tokenizer_error,
+            "eligible": self.router.eligible(),
+            "bus": "up" if bus_up else "down",
+            "routing": "full" if bus_up and not engine_load else "degraded (load from engines)",
+            "engine_load": engine_load,
+            "problems": self.watch.problems,
+        }
+        return web.json_response(state, status=200 if state["ready"] else 503)

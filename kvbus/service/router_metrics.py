@@ -1,0 +1,166 @@
+"""The router service's Prometheus series (``/metrics`` of ``kvbus router``), per worker
+and policy, among them how each decision's predicted cached tokens compared with what the
+engine reported."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Final
+
+import prometheus_client as prom
+
+import kvbus.metrics
+from kvbus.routing.router import Decision
+from kvbus.service.worker_names import RANK
+
+log = logging.getLogger("kvbus.routing.router")
+_TOKEN_BUCKETS: Final = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_ERROR_BUCKETS: Final = (-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096)
+
+
+class Metrics:
+    """The router's Prometheus series (``/metrics``), per worker and policy."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        kvbus.metrics.register(self.registry)  # kvbus_publisher_*, kvbus_subscriber_*
+        per_worker = ("worker", "policy")
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = per_worker) -> prom.Counter:
+            return prom.Counter(f"kvbus_router_{name}", doc, labels, registry=self.registry)
+
+        def histogram(
+            name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = per_worker
+        ) -> prom.Histogram:
+            return prom.Histogram(
+                f"kvbus_router_{name}", doc, labels, buckets=buckets, registry=self.registry
+            )
+
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(f"kvbus_router_{name}", doc, registry=self.registry)
+
+        self.requests = counter("requests", "Requests forwarded", (*per_worker, "code"))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens routed")
+        self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
+        self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
+        self.slow_clients = counter(
+            "slow_clients",
+            "Connections closed: no whole request head within --header-timeout of opening "
+            "or of the previous response (idle keep-alive connections included)",
+            (),
+        )
+        self.stalled_clients = counter(
+            "stalled_clients",
+            "Connections dropped: the client read nothing for --client-write-timeout",
+            (),
+        )
+        self.refused = counter(
+            "refused_requests",
+            "Requests refused before routing: body_too_large (413, --max-body-bytes), "
+            "bodies_held (503, --max-held-body-bytes)",
+            ("reason",),
+        )
+        self.busy = counter(
+            "busy_worker_waits",
+            "Requests that waited --pool-timeout for one of a worker's "
+            "--worker-connections and went elsewhere (the worker is not marked down)",
+            ("worker",),
+        )
+        self.body_bytes = gauge(
+            "held_body_bytes", "Bytes of request bodies held now (--max-held-body-bytes)"
+        )
+        self.bus_up = gauge(
+            "bus_up",
+            "1 while load records arrive on the metrics stream; 0: the bus is down (or no "
+            "engine publishes), routing degraded to the engines' own /metrics",
+        )
+        self.degraded_routes = counter(
+            "degraded_routes",
+            "Requests routed while the bus was down, or to a worker on load read from its "
+            "own endpoint",
+            (),
+        )
+        self.engine_polls = counter(
+            "engine_polls",
+            "Loads read from the engines' own /health and /metrics, by outcome: ok, failed, "
+            "too_large (ENGINE_METRICS_MAX_BYTES), unreadable",
+            ("outcome",),
+        )
+        self.bad_items = counter(
+            "bad_stream_items", "Bus items the router could not apply (logged, skipped)", ()
+        )
+        # Routing accuracy, per request whose response carried usage: what the router
+        # expected the engine to find cached, what the engine reported, and the gap.
+        self.predicted = histogram(
+            "predicted_cached_tokens", "Prompt tokens the router expected cached", _TOKEN_BUCKETS
+        )
+        self.reported = histogram(
+            "reported_cached_tokens", "Cached prompt tokens the engine reported", _TOKEN_BUCKETS
+        )
+        self.error = histogram(
+            "prediction_error_tokens",
+            "Reported less predicted cached tokens (negative: the router expected more)",
+            _ERROR_BUCKETS,
+        )
+        self.predictions = counter(
+            "predictions",
+            "Predictions checked against usage, by outcome: exact, over, under; unreported: "
+            "the usage had no cached_tokens (vLLM runs without --enable-prompt-tokens-details)",
+            (*per_worker, "outcome"),
+        )
+        self._unreported_said: set[str] = set()
+        """Workers (configured names) already said to report no cached tokens."""
+        self.decision = histogram(
+            "decision_seconds",
+            "Tokenizing and choosing a worker",
+            (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            (),
+        )
+        self.ttft = histogram(
+            "first_byte_seconds",
+            "Time to the first byte of the worker's response",
+            prom.Histogram.DEFAULT_BUCKETS,
+        )
+        self.eligible = gauge("eligible_workers", "Workers that may get traffic")
+        self.blocks = gauge("indexed_blocks", "Distinct prefix blocks indexed")
+        self.ready = gauge("ready", "1 when /health says ready")
+        self.unchained = gauge(
+            "unchained_blocks", "Stored blocks skipped: their parent was never seen"
+        )
+        self.peer_requests = gauge(
+            "peer_requests", "Other replicas' requests in flight, counted here (--routes-stream)"
+        )
+
+    def observe_prediction(self, decision: Decision, reported: int | Unreported) -> None:
+        labels = (decision.worker, decision.policy.value)
+        if reported is UNREPORTED:
+            # Not a miss: vLLM leaves cached_tokens out unless asked to count them.
+            # Counted as "over" it would make every prediction look wrong.
+            self.predictions.labels(*labels, "unreported").inc()
+            worker = RANK.sub("", decision.worker)
+            if worker not in self._unreported_said:
+                self._unreported_said.add(worker)
+                log.warning(
+                    "worker %s reports no cached tokens: start vLLM with "
+                    "--enable-prompt-tokens-details to measure routing accuracy",
+                    worker,
+                )
+            return
+        predicted = decision.predicted_cached_tokens
+        self.predicted.labels(*labels).observe(predicted)
+        self.reported.labels(*labels).observe(reported)
+        self.error.labels(*labels).observe(reported - predicted)
+        outcome = "exact" if reported == predicted else "over" if predicted > reported else "under"
+        self.predictions.labels(*labels, outcome).inc()
+
+
+class Unreported(enum.Enum):
+    """A response's usage without ``prompt_tokens_details.cached_tokens``: vLLM sends
+    ``"prompt_tokens_details": null`` (or, in a stream, leaves it out) unless it runs
+    with ``--enable-prompt-tokens-details``."""
+
+    UNREPORTED = "unreported"
+
+
+UNREPORTED: Final = Unreported.UNREPORTED

@@ -1,0 +1,187 @@
+"""The model the workers serve, as the router service reads requests for it: its names
+(and LoRAs) from the first worker that answers ``/v1/models``, and its tokenizer, used
+the way vLLM's OpenAI server uses it, to turn a request into the token ids the router
+routes by."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import gc
+import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+import aiohttp
+
+from kvbus.logs import displayable, shown
+from kvbus.service.upstream import QUICK, SHOWN_ERROR, Upstream
+
+log = logging.getLogger("kvbus.routing.router")
+_INLINE_TOKENIZE_BYTES: Final = 2048
+"""Bodies up to this size (a few hundred tokens, ~0.1 ms) are tokenized on the event
+loop: the hop to a tokenizer thread and back costs more than that (and up to the GIL's
+5 ms switch interval when another thread holds it). Larger ones go to the threads."""
+_TOKEN_LIMIT: Final = 2**32  # vLLM's token ids are unsigned 32-bit
+_LOAD_ONLY: Final[tuple[list[int], None]] = ([], None)  # routed by load alone
+
+
+class Tokenizer:
+    """The served model's tokenizer, used the way vLLM's OpenAI server uses it."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf: Any = AutoTokenizer.from_pretrained(path)
+        # transformers imported torch: ~400k objects that live as long as the process.
+        # Out of the collector's sight, a full collection no longer walks them all
+        # (~0.3 s, a stall of every request in flight). Thawed at exit, so that they are
+        # finalized as usual (triton's bindings report frozen ones as leaks).
+        gc.freeze()
+        atexit.unregister(gc.unfreeze)  # once, however many tokenizers load
+        atexit.register(gc.unfreeze)
+
+    def completion(self, body: dict[str, Any]) -> list[int]:
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: route by its first prompt
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        special = body.get("add_special_tokens", True)
+        return list(self.hf(prompt, add_special_tokens=special).input_ids)
+
+    def chat(self, body: dict[str, Any]) -> list[int]:
+        messages = [
+            {**m, "content": _text(m.get("content"))} if isinstance(m, dict) else m
+            for m in body["messages"]
+        ]
+        text = self.hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tools=body.get("tools"),
+            chat_template=body.get("chat_template"),
+            **(body.get("chat_template_kwargs") or {}),
+        )
+        special = body.get("add_special_tokens", False)
+        return list(self.hf(text, add_special_tokens=special).input_ids)
+
+
+def _text(content: Any) -> Any:
+    """Text parts of a message joined as vLLM's 'string' content format does."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content
+
+
+Tokenize = Callable[[Tokenizer, dict[str, Any]], list[int]]
+
+
+class ServedModel:
+    """The served model's names and tokenizer (`discover`), and a request's prompt read
+    with them (`read`): in place when small, in two threads of its own when larger, by
+    load alone past ``max_tokenize_bytes``."""
+
+    def __init__(
+        self,
+        workers: dict[str, str],
+        upstream: Upstream,
+        tokenizer_path: str | None,
+        max_tokenize_bytes: int,
+    ) -> None:
+        self.workers = workers
+        self.upstream = upstream
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer: Tokenizer | None = None
+        self.tokenizer_error: str | None = None
+        """Why the tokenizer did not load, and what to do (/health): requests are then
+        routed by load alone."""
+        self.loras: set[str] = set()
+        self.models: set[str] = set()
+        self.max_tokenize_bytes = max_tokenize_bytes
+        self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="kvbus-tokenize")
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def read(
+        self, raw: bytes | bytearray, tokenize: Tokenize
+    ) -> tuple[list[int], str | None] | None:
+        """The prompt's token ids and LoRA (none: routed by load alone), or None when
+        the request cannot be read."""
+        if len(raw) > self.max_tokenize_bytes:
+            return _LOAD_ONLY
+        if len(raw) <= _INLINE_TOKENIZE_BYTES:
+            return self._tokens(raw, tokenize)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, self._tokens, raw, tokenize)
+
+    async def discover(self) -> None:
+        """Served model names (and the tokenizer, unless given) from the first worker
+        that answers."""
+        session = self.upstream.session
+        assert session is not None
+        if self.tokenizer_path:
+            await self._load_tokenizer(self.tokenizer_path, "--tokenizer")
+        while True:
+            for base in self.workers.values():
+                root = None
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    async with (
+                        self.upstream.quick_slots,
+                        session.get(f"{base}/v1/models", timeout=QUICK) as response,
+                    ):
+                        cards = (await response.json())["data"]
+                    self.models = {c["id"] for c in cards}
+                    self.loras = {c["id"] for c in cards if c.get("parent")}
+                    base_models = (c.get("root") or c["id"] for c in cards if not c.get("parent"))
+                    root = next(base_models, None)
+                if root is None:
+                    continue
+                log.info("models %s", sorted(self.models))
+                if self.tokenizer is None and self.tokenizer_error is None:
+                    await self._load_tokenizer(root, "model")
+                return
+            await asyncio.sleep(1)
+
+    async def _load_tokenizer(self, path: str, named_by: str) -> None:
+        """The tokenizer at ``path`` (named by ``--tokenizer`` or the served model's
+        card); one that will not load (a model path relative to the engine's directory,
+        missing files) is said once, in the log and in /health, with what to do, and
+        requests are routed by load alone rather than never."""
+        try:
+            self.tokenizer = await asyncio.to_thread(Tokenizer, path)
+        except Exception as error:
+            self.tokenizer_error = (
+                f"could not load the tokenizer for {named_by} {shown(path)} "
+                f"({displayable(' '.join(str(error).split()), SHOWN_ERROR)}): pass "
+                "--tokenizer PATH_OR_NAME (the served model's tokenizer directory); "
+                "routing by load alone until then"
+            )
+            log.error("%s", self.tokenizer_error)
+            return
+        log.info("tokenizer from %s", shown(path))
+
+    def _tokens(
+        self, raw: bytes | bytearray, tokenize: Tokenize
+    ) -> tuple[list[int], str | None] | None:
+        """The prompt's token ids and LoRA, or None when the request cannot be read."""
+        try:
+            body = json.loads(raw)
+            model = body.get("model")
+            if self.models and model is not None and model not in self.models:
+                return None
+            if body.get("chat_template") is not None:
+                return None  # whether to accept one is the engine's decision
+            if self.tokenizer is None:
+                return [], None  # not discovered yet: load alone decides
+            tokens = tokenize(self.tokenizer, body)
+        except Exception:
+            return None
+        if not all(0 <= t < _TOKEN_LIMIT for t in tokens):
+            return None  # not token ids vLLM could have: it says why
+        return tokens, model if model in self.loras else None

@@ -1,0 +1,365 @@
+"""The router service's side towards the workers: a routed request forwarded to its
+vLLM worker and the answer relayed to the client, streamed or not.
+
+Bounded as the service promises (see `kvbus.service.gateway`): request bodies held at once
+(`BodyBudget`), each worker's connections (``--worker-connections``, waited for at most
+``--pool-timeout``), a worker's time to its first byte (``--worker-timeout``) and a
+client's time to read each part of its answer (``--client-write-timeout``). A worker
+that fails a request before the client got anything raises `WorkerUnreachable`, a busy
+one `WorkerBusy`: the caller sends the request elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import socket
+import time
+from collections.abc import Awaitable
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from kvbus.config import redact_url
+from kvbus.logs import LimitedLog, displayable
+from kvbus.routing.router import Decision, Router
+from kvbus.service.router_metrics import UNREPORTED, Metrics, Unreported
+from kvbus.service.worker_names import RANK
+
+log = logging.getLogger("kvbus.routing.router")
+_limited_log = LimitedLog(log)  # one line a second per configured worker
+_STREAM_TAIL: Final = 8192
+_HOP_BY_HOP: Final = {
+    "content-length", "transfer-encoding", "connection", "keep-alive", "server", "date",
+}  # fmt: skip
+_FORWARDED: Final = ("Content-Type", "Authorization", "Accept", "X-Request-Id")
+QUICK: Final = aiohttp.ClientTimeout(total=5)  # a model list, not a generation
+QUICK_CONNECTIONS: Final = 8
+"""Model lists (``/v1/models``, discovery) in flight at once, all workers together: on
+connections of their own beside ``--worker-connections``, so a flood of them never makes
+a generation wait for a pooled connection."""
+SHOWN_ERROR: Final = 240
+"""Characters of an error's text in a log line or /health at most (a tokenizer's load
+error can run to paragraphs)."""
+
+
+class BodyBudget:
+    """Bytes of request bodies the router holds at once, all requests together."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.capacity:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+class RequestBody:
+    """One request's body, its bytes counted in a `BodyBudget` until `release`."""
+
+    __slots__ = ("_budget", "_counted", "data")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self._counted = 0
+        self.data = bytearray()
+
+    def add(self, chunk: bytes) -> bool:
+        """Keep ``chunk``; False (nothing kept) when the budget cannot hold it."""
+        if not self._budget.take(len(chunk)):
+            return False
+        self._counted += len(chunk)
+        self.data += chunk
+        return True
+
+    def release(self) -> None:
+        """No retry can need the body any more: drop it and give its bytes back."""
+        self.data = bytearray()
+        self._budget.give(self._counted)
+        self._counted = 0
+
+
+class Upstream:
+    """The workers' HTTP client: one session and connection pool for all of them, each
+    address's ``--worker-connections`` apart (`forward`), and a few connections for
+    model lists (`QUICK_CONNECTIONS`) and the engines' own ``/metrics``."""
+
+    def __init__(
+        self,
+        workers: dict[str, str],
+        router: Router,
+        metrics: Metrics,
+        down_for: float,
+        *,
+        worker_connections: int,
+        worker_timeout: float,
+        pool_timeout: float,
+        client_write_timeout: float,
+    ) -> None:
+        self.workers = workers
+        self.router = router
+        self.metrics = metrics
+        self.down_for = down_for
+        self.worker_connections = worker_connections
+        self.worker_timeout = worker_timeout
+        self.pool_timeout = pool_timeout
+        self.client_write_timeout = client_write_timeout
+        self.session: aiohttp.ClientSession | None = None
+        """Open from `open` (in the event loop that serves) to `close`."""
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        """Per worker address: its --worker-connections, taken by a request for as long
+        as its response lasts (then its connection is back in the pool)."""
+        self.quick_slots = asyncio.Semaphore(QUICK_CONNECTIONS)
+        self._bases: dict[str, tuple[str, str | None, asyncio.Semaphore]] = {}
+
+    def open(self) -> None:
+        # No total timeout: a stream takes as long as it takes. Up to the first byte
+        # (all of a response that is not streamed), --worker-timeout. The pool holds
+        # more connections per worker than the requests that may use them at once
+        # (--worker-connections for generations, QUICK_CONNECTIONS for model lists), so
+        # no request ever waits in it: waiting is done, timed and counted apart
+        # (--pool-timeout), never as the worker's own time.
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            connector=aiohttp.TCPConnector(
+                limit=0, limit_per_host=self.worker_connections + QUICK_CONNECTIONS + 1
+            ),  # + 1: a load read from its endpoint (`BusWatch`)
+        )
+
+    async def close(self) -> None:
+        assert self.session is not None
+        await self.session.close()
+
+    def say_unreachable(self, worker: str, why: str) -> None:
+        """One line (at most one a second per configured worker) for a worker that
+        failed a request, which went to another: marked down for ``down_for``. Named
+        as configured (``--worker a=URL``): its ranks share the address."""
+        name = RANK.sub("", worker)
+        _limited_log.warning(
+            f"unreachable {name}",  # configured names only: a bounded set of kinds
+            "worker %s (%s) unreachable: %s; retrying it in %gs",
+            name,
+            redact_url(self.workers[name]),
+            why,
+            self.down_for,
+        )
+
+    async def forward(
+        self, request: web.Request, body: RequestBody, decision: Decision
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        base, rank, slots = self._worker_address(decision.worker)
+        sent_headers = request.headers
+        headers = {k: sent_headers[k] for k in _FORWARDED if k in sent_headers}
+        # The router reads usage from the body, and compressing on loopback or a LAN
+        # costs more than it saves (a worker that compresses anyway: `_copy_headers`).
+        headers["Accept-Encoding"] = "identity"
+        if rank is not None:
+            headers["X-data-parallel-rank"] = rank
+        labels = (decision.worker, decision.policy.value)
+        try:  # a wait for a connection is no fault of the worker's: timed apart
+            async with asyncio.timeout(self.pool_timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise WorkerBusy from None
+        try:
+            sent = time.perf_counter()
+            try:
+                async with asyncio.timeout(self.worker_timeout):
+                    upstream = await self.session.post(
+                        base + request.path, data=body.data, headers=headers
+                    )
+            except (aiohttp.ClientError, TimeoutError) as error:
+                # Refused, dropped, silent or not HTTP, before anything reached the client.
+                raise WorkerUnreachable(failure_text(error, self.worker_timeout)) from error
+            async with upstream:
+                self.metrics.ttft.labels(*labels).observe(time.perf_counter() - sent)
+                content_type = upstream.headers.get("content-type", "")
+                streamed = content_type.startswith("text/event-stream")
+                answer: bytes | bytearray
+                if streamed:
+                    body.release()  # a stream is never retried
+                    response, answer = await self._relay_stream(request, upstream, decision)
+                else:  # all of it first: a worker that breaks off is retried elsewhere
+                    # --worker-timeout covers all of it: a worker that sends its headers
+                    # and stalls would hold a connection slot and the body's budget.
+                    left = max(0.0, self.worker_timeout - (time.perf_counter() - sent))
+                    try:
+                        async with asyncio.timeout(left):
+                            answer = await upstream.read()
+                    except (aiohttp.ClientError, TimeoutError) as error:
+                        raise WorkerUnreachable(failure_text(error, self.worker_timeout)) from error
+                    body.release()
+                    self.router.started(decision)
+                    response = await self._reply(request, upstream, decision, answer)
+        finally:
+            slots.release()
+        self.metrics.requests.labels(*labels, str(upstream.status)).inc()
+        if upstream.status == 200:
+            self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
+            reported = cached_tokens(answer, streamed)
+            if reported is not None:
+                self.metrics.observe_prediction(decision, reported)
+        return response
+
+    def _worker_address(self, worker: str) -> tuple[str, str | None, asyncio.Semaphore]:
+        """A worker's (``NAME/dpR``) base URL, data-parallel rank and connection slots
+        (one set per address, as aiohttp pools connections), remembered."""
+        known = self._bases.get(worker)
+        if known is None:
+            rank = RANK.search(worker)
+            base = self.workers[RANK.sub("", worker)]
+            origin = str(URL(base).origin())
+            slots = self._slots.get(origin)
+            if slots is None:
+                slots = self._slots[origin] = asyncio.Semaphore(self.worker_connections)
+            known = self._bases[worker] = (base, rank.group(1) if rank else None, slots)
+        return known
+
+    @staticmethod
+    def _copy_headers(
+        upstream: aiohttp.ClientResponse, response: web.StreamResponse, decision: Decision
+    ) -> None:
+        # aiohttp decodes the encodings it knows (gzip, deflate, br, zstd) as it reads;
+        # the client gets those bytes decoded, so without their Content-Encoding.
+        decoded = getattr(upstream.content, "total_compressed_bytes", None) is not None
+        for key, value in upstream.headers.items():
+            lowered = key.lower()
+            if lowered not in _HOP_BY_HOP and not (decoded and lowered == "content-encoding"):
+                response.headers[key] = value
+        response.headers["x-kvbus-worker"] = decision.worker
+        response.headers["x-kvbus-predicted-cached-tokens"] = str(decision.predicted_cached_tokens)
+
+    async def _reply(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        decision: Decision,
+        answer: bytes,
+    ) -> web.StreamResponse:
+        """A response read whole, sent on as a client reads it (`_send`)."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        self._copy_headers(upstream, response, decision)
+        response.content_length = len(answer)
+        await response.prepare(request)
+        if await self._send(request, response.write(answer), decision):
+            await self._send(request, response.write_eof(), decision)
+        return response
+
+    async def _send(
+        self, request: web.Request, writing: Awaitable[None], decision: Decision
+    ) -> bool:
+        """Hand bytes to the client: False, its connection dropped, when it left or read
+        nothing for ``--client-write-timeout`` (it would hold a worker's connection
+        for good). The worker did nothing wrong."""
+        try:
+            async with asyncio.timeout(self.client_write_timeout):
+                await writing
+            return True
+        except TimeoutError:
+            self.metrics.stalled_clients.inc()
+            log.info("a client of %s stopped reading; dropped", decision.worker)
+        except ConnectionError:  # it left
+            pass
+        if request.transport is not None:
+            request.transport.abort()  # close() would wait to flush to it
+        return False
+
+    async def _relay_stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, decision: Decision
+    ) -> tuple[web.StreamResponse, bytearray]:
+        """Pass a streamed response on chunk by chunk; returns its tail (the usage)."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        self._copy_headers(upstream, response, decision)
+        await response.prepare(request)
+        tail = bytearray()
+        while True:
+            try:
+                # A stream silent for --worker-timeout is a worker that stalled, not one
+                # still generating (tokens come every few milliseconds to seconds).
+                async with asyncio.timeout(self.worker_timeout):
+                    chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as error:
+                # The client has part of a stream: cut it off, as the worker did.
+                self.router.mark_down(decision.worker, self.down_for)
+                self.say_unreachable(
+                    decision.worker,
+                    f"broke off a stream ({failure_text(error, self.worker_timeout)})",
+                )
+                if request.transport is not None:
+                    request.transport.close()
+                return response, bytearray()
+            if not chunk:
+                break
+            if not tail:  # the first bytes: the engine is past this prompt's prefill
+                self.router.started(decision)
+            if not await self._send(request, response.write(chunk), decision):
+                return response, bytearray()
+            tail += chunk
+            del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
+        await self._send(request, response.write_eof(), decision)
+        return response, tail
+
+
+class WorkerUnreachable(Exception):
+    """The worker refused or dropped the connection before answering (safe to retry);
+    its text says how, in a few words (`failure_text`)."""
+
+
+_CONNECTION_ERRORS: Final = {
+    errno.ECONNREFUSED: "connection refused",
+    errno.ECONNRESET: "connection reset",
+    errno.EHOSTUNREACH: "host unreachable",
+    errno.ENETUNREACH: "network unreachable",
+}
+
+
+def failure_text(error: BaseException, worker_timeout: float) -> str:
+    """How a request to a worker failed, in a few words for a log line ("connection
+    refused"), not the client library's repr."""
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        return "no connection in time"
+    if isinstance(error, TimeoutError):  # --worker-timeout (aiohttp's read timeouts too)
+        return f"no answer within {worker_timeout:g}s"
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return "it closed the connection without answering"
+    if isinstance(error, aiohttp.ClientResponseError):  # it answered, but not in HTTP
+        return f"not an HTTP answer ({displayable(error.message, SHOWN_ERROR)})"
+    cause = error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
+    if isinstance(cause, socket.gaierror):
+        return f"host not found ({cause.strerror})"
+    if isinstance(cause, OSError) and cause.errno in _CONNECTION_ERRORS:
+        return _CONNECTION_ERRORS[cause.errno]
+    text = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(error)
+    return displayable(" ".join(text.split()) or type(error).__name__, SHOWN_ERROR)
+
+
+class WorkerBusy(Exception):
+    """All of a worker's connections stayed in use for ``--pool-timeout`` (safe to send
+    elsewhere; the worker is not at fault)."""
+
+
+def cached_tokens(body: bytes | bytearray, streamed: bool) -> int | Unreported | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a response (a stream's usage is
+    in its last data event, sent with ``stream_options.include_usage``); `UNREPORTED`:
+    usage without it; None: no usage."""
+    if streamed:
+        events = [line[6:] for line in body.splitlines() if line.startswith(b"data: {")]
+        body = events[-1] if events else b""
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+        usage = json.loads(body)["usage"]
+        details = usage.get("prompt_tokens_details")
+        cached = None if details is None else details.get("cached_tokens")
+        return UNREPORTED if cached is None else int(cached)
+    return None
