@@ -55,7 +55,7 @@ from vllm.distributed.kv_events import (
 
 import kvbus
 from kvbus import metrics
-from kvbus.bus.publisher import PublisherStats
+from kvbus.bus.publisher_stats import PublisherStats
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.wire.events import SourceStopped, encode

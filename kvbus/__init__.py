@@ -6,12 +6,11 @@ Publish from engine code with `Publisher` (never blocks the caller), consume wit
 client library is imported only when first used.
 """
 
-__version__ = "0.2.0"
-
 import importlib
 from typing import Any
 
 from kvbus import _moved
+from kvbus._version import __version__
 from kvbus.bus.publisher import Publisher, PublisherStats
 from kvbus.bus.subscription import (
     Cursor,

@@ -12,14 +12,13 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import msgspec
 
 if TYPE_CHECKING:
-    from kvbus.bus.publisher import Publisher, PublisherStats
-    from kvbus.bus.sequencer import SubscriptionStats
-    from kvbus.bus.subscription import Subscription
+    from kvbus.bus.publisher_stats import PublisherStats
+    from kvbus.bus.subscription_stats import SubscriptionStats
 
 _S = TypeVar("_S", bound=msgspec.Struct)
 
@@ -65,9 +64,40 @@ def add_counts(a: _S, b: _S) -> _S:
     return type(a)(**values)
 
 
-publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
+class CountingPublisher(Protocol):
+    """What the registry and its readers need of a publisher (`kvbus.Publisher` is one):
+    the registry names no class of the bus, so it sits below all of them."""
+
+    @property
+    def stream(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def stats(self) -> PublisherStats: ...
+    @property
+    def append_latency(self) -> LatencyHistogram: ...
+    @property
+    def queue_messages(self) -> int: ...
+    @property
+    def queue_bytes(self) -> int: ...
+
+
+class CountingSubscription(Protocol):
+    """What the registry and its readers need of a subscription (`kvbus.Subscription`)."""
+
+    @property
+    def stream(self) -> str: ...
+    @property
+    def stats(self) -> SubscriptionStats: ...
+    @property
+    def backlog(self) -> int: ...
+    @property
+    def lag_seconds(self) -> float: ...
+
+
+publishers: weakref.WeakSet[CountingPublisher] = weakref.WeakSet()
 """This process's live publishers."""
-subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
+subscriptions: weakref.WeakSet[CountingSubscription] = weakref.WeakSet()
 """This process's live subscriptions."""
 # What collected objects had counted, by their labels: (stream, source) for publishers,
 # stream for subscriptions (two objects with the same labels are summed).
@@ -76,7 +106,7 @@ _retired_subscriptions: dict[str, SubscriptionStats] = {}
 _retired_lock = threading.Lock()
 
 
-def track_publisher(publisher: Publisher) -> None:
+def track_publisher(publisher: CountingPublisher) -> None:
     publishers.add(publisher)
     weakref.finalize(
         publisher,
@@ -88,7 +118,7 @@ def track_publisher(publisher: Publisher) -> None:
     )
 
 
-def track_subscription(subscription: Subscription) -> None:
+def track_subscription(subscription: CountingSubscription) -> None:
     subscriptions.add(subscription)
     weakref.finalize(subscription, _retire_subscription, subscription.stream, subscription.stats)
 

@@ -27,10 +27,11 @@ from typing import Any, Final
 
 import msgspec
 
-from kvbus import __version__
+from kvbus._version import __version__
 from kvbus.bus import instruments
 from kvbus.bus.publisher_queue import STRUCT_BYTES, SendQueue
 from kvbus.bus.publisher_sender import Sender
+from kvbus.bus.publisher_stats import PublisherStats as PublisherStats
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.shutdown import CLOSE_WITHIN, close_within
 from kvbus.transports import Transport, open_transport
@@ -53,19 +54,6 @@ def _publishers_after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
     os.register_at_fork(after_in_child=_publishers_after_fork_in_child)
-
-
-class PublisherStats(msgspec.Struct):
-    published: int = 0
-    """Messages accepted by ``publish()``."""
-    sent: int = 0
-    """Messages the transport accepted."""
-    dropped: int = 0
-    """Messages lost: queue full, publisher closed, oversized, or unsent at close."""
-    send_errors: int = 0
-    """Failed append attempts (each is retried)."""
-    reconnects: int = 0
-    """Appends that succeeded after failed attempts: the backend came back."""
 
 
 class Publisher:

@@ -22,7 +22,7 @@ from kvbus.logs import LimitedLog
 from kvbus.wire.envelope import Kind
 
 if TYPE_CHECKING:
-    from kvbus.bus.publisher import PublisherStats
+    from kvbus.bus.publisher_stats import PublisherStats
 
 log = logging.getLogger("kvbus.bus.publisher")
 _limited = LimitedLog(log)

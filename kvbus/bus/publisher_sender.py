@@ -21,8 +21,8 @@ from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, decode_envelope,
 from kvbus.wire.events import LossNotice, encode
 
 if TYPE_CHECKING:
-    from kvbus.bus.publisher import PublisherStats
     from kvbus.bus.publisher_queue import SendQueue
+    from kvbus.bus.publisher_stats import PublisherStats
 
 log = logging.getLogger("kvbus.bus.publisher")
 

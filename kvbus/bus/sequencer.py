@@ -11,11 +11,13 @@ decision can be replayed (tests/test_sequencer_properties.py drives it alone).
 What it is fed:
 
 * `Sequencer.receive`: a checked envelope read live, with its arrival order, the
-  position read before it and ``now``; `Sequencer.accept_run` and `Sequencer.advance`
-  instead, for a run of a source's next seqs with no gap open (the fast path);
+  position read before it and ``now``; `Sequencer.advance` instead, for a source's
+  next seq with no gap open (the fast path: `kvbus.bus.intake.PageIngest` checks, inline
+  per entry, the rule `Sequencer.accept_run` states for a run);
 * `Sequencer.read_live`: how many entries were read live (what history may cost);
 * `Sequencer.receive_history`: each entry a `HistorySearch` read, then
-  `Sequencer.history_searched`;
+  `Sequencer.history_searched` (no live entry is fed while a search is open: a source
+  forgotten meanwhile would leave the search holding messages for no state);
 * `Sequencer.declare_lost` for each gap `Sequencer.expiring` gave at ``now``, or
   `Sequencer.substitute` for one a snapshot covers (`Sequencer.snapshot_covers`).
 

@@ -75,7 +75,7 @@ from kvbus.logs import LimitedLog, shown
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from kvbus.bus.publisher import PublisherStats
+    from kvbus.bus.publisher_stats import PublisherStats
     from kvbus.bus.sequencer import SubscriptionStats
 
 log = logging.getLogger("kvbus.metrics")
