@@ -29,7 +29,7 @@ if [ "$extras" = peers ]; then
 fi
 python3 -m venv .venv
 py=.venv/bin/python
-# setup.py and the C source too: the editable install builds kvbus/_ckernels*.so once.
+# setup.py and the C source too: the editable install builds kvbus/routing/_ckernels*.so once.
 stamp=.venv/.kvbus-deps-$extras-$({
   cat pyproject.toml setup.py kvbus/routing/_ckernels.c scripts/install.sh
   echo "$vllm"

@@ -200,3 +200,37 @@ def test_the_bus_does_not_import_its_metrics_and_kvbus_metrics_still_resolves() 
         "asyncio.run(main())\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+
+
+def test_a_subscription_collected_while_the_counts_are_read_neither_hangs_nor_is_lost() -> None:
+    """The garbage collector may run a finalizer inside a reader of the retired counts,
+    on the same thread, while the reader holds their lock (found as a hang of the suite:
+    a scrape's list comprehension set off a collection). The finalizer must not wait for
+    that lock, and what the collected object counted must still reach the next read."""
+    import gc
+    import threading
+
+    from kvbus.bus import instruments
+    from kvbus.bus.subscription_stats import SubscriptionStats
+
+    class Cyclic:  # freed only by the collector, like a subscription in a cycle
+        def __init__(self) -> None:
+            self.stream = "collected-while-read"
+            self.stats = SubscriptionStats(delivered=7)
+            self.backlog = 0
+            self.lag_seconds = 0.0
+            self.cycle = self
+
+    before = dict(instruments.retired_subscriptions()).get("collected-while-read")
+    instruments.track_subscription(Cyclic())
+
+    def read_while_collecting() -> None:
+        with instruments._retired_lock:  # as retired_subscriptions() holds it
+            gc.collect()  # the finalizer runs here, on this thread
+
+    reader = threading.Thread(target=read_while_collecting, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "a finalizer waited for the lock its own thread holds"
+    counted = dict(instruments.retired_subscriptions())["collected-while-read"]
+    assert counted.delivered == (before.delivered if before else 0) + 7

@@ -638,7 +638,7 @@ def test_any_interleaving_delivers_each_seq_once_or_announces_it_once(
 def test_the_sequencer_modules_read_no_clock() -> None:
     """No module of the sequencer imports a clock: time is always the caller's ``now``."""
     for name in ("sequencer", "delivery", "gap_repair", "hold_limits", "source_state"):
-        module = importlib.import_module(f"kvbus.{name}")
+        module = importlib.import_module(f"kvbus.bus.{name}")
         assert module.__file__ is not None
         with open(module.__file__, encoding="utf-8") as file:
             tree = ast.parse(file.read())

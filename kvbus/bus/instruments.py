@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import msgspec
@@ -104,29 +105,35 @@ subscriptions: weakref.WeakSet[CountingSubscription] = weakref.WeakSet()
 _retired_publishers: dict[tuple[str, str], tuple[PublisherStats, LatencyHistogram]] = {}
 _retired_subscriptions: dict[str, SubscriptionStats] = {}
 _retired_lock = threading.Lock()
+# What finalizers hand over, merged by the next reader under the lock. A finalizer runs
+# wherever the garbage collector happens to run, also inside a reader that holds the
+# lock on the same thread: taking the lock there would deadlock, so a finalizer only
+# appends (deque.append is atomic) and takes no lock.
+_gone_publishers: deque[tuple[str, str, PublisherStats, LatencyHistogram]] = deque()
+_gone_subscriptions: deque[tuple[str, SubscriptionStats]] = deque()
 
 
 def track_publisher(publisher: CountingPublisher) -> None:
     publishers.add(publisher)
-    weakref.finalize(
-        publisher,
-        _retire_publisher,
+    labels_and_counts = (
         publisher.stream,
         publisher.source,
         publisher.stats,
         publisher.append_latency,
     )
+    weakref.finalize(publisher, _gone_publishers.append, labels_and_counts)
 
 
 def track_subscription(subscription: CountingSubscription) -> None:
     subscriptions.add(subscription)
-    weakref.finalize(subscription, _retire_subscription, subscription.stream, subscription.stats)
+    labels_and_counts = (subscription.stream, subscription.stats)
+    weakref.finalize(subscription, _gone_subscriptions.append, labels_and_counts)
 
 
-def _retire_publisher(
-    stream: str, source: str, stats: PublisherStats, latency: LatencyHistogram
-) -> None:
-    with _retired_lock:
+def _merge_gone() -> None:
+    """Fold what finalizers handed over into the retired counts (the lock held)."""
+    while _gone_publishers:
+        stream, source, stats, latency = _gone_publishers.popleft()
         # New objects (never changed once stored): what the object counted when it went.
         seen_stats, seen_latency = _retired_publishers.get((stream, source), (type(stats)(), None))
         merged = LatencyHistogram(latency.bounds)
@@ -134,21 +141,21 @@ def _retire_publisher(
             if counted is not None:
                 merged.add(counted)
         _retired_publishers[stream, source] = (add_counts(seen_stats, stats), merged)
-
-
-def _retire_subscription(stream: str, stats: SubscriptionStats) -> None:
-    with _retired_lock:
-        seen = _retired_subscriptions.get(stream) or type(stats)()
-        _retired_subscriptions[stream] = add_counts(seen, stats)
+    while _gone_subscriptions:
+        stream, counted_stats = _gone_subscriptions.popleft()
+        seen = _retired_subscriptions.get(stream) or type(counted_stats)()
+        _retired_subscriptions[stream] = add_counts(seen, counted_stats)
 
 
 def retired_publishers() -> list[tuple[str, str, PublisherStats, LatencyHistogram]]:
     """What collected publishers counted: (stream, source, stats, append latency)."""
     with _retired_lock:
+        _merge_gone()
         return [(*labels, *counted) for labels, counted in _retired_publishers.items()]
 
 
 def retired_subscriptions() -> list[tuple[str, SubscriptionStats]]:
     """What collected subscriptions counted: (stream, stats)."""
     with _retired_lock:
+        _merge_gone()
         return list(_retired_subscriptions.items())
