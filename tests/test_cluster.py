@@ -40,7 +40,15 @@ async def stream_leader(cluster: NatsCluster, stream: str) -> NatsNode:
     """The node that leads ``KVBUS_<stream>`` now, as JetStream reports it."""
     nc = await nats.connect([node.url for node in cluster])
     try:
-        info = await nc.jetstream().stream_info(f"KVBUS_{stream}")
+        # A stream just created may take its cluster a moment to answer for (5 s per
+        # try; on 2 loaded cores one try has run out).
+        for tries_left in reversed(range(6)):
+            try:
+                info = await nc.jetstream().stream_info(f"KVBUS_{stream}")
+                break
+            except nats.errors.TimeoutError:
+                if not tries_left:
+                    raise
         assert info.cluster is not None and info.cluster.leader, info
         assert info.config.num_replicas == 3
         return cluster.node(info.cluster.leader)
@@ -130,8 +138,12 @@ async def ride_through_a_kill(
     exactly once, in order, with no Resync and nothing dropped."""
     url = cluster.url(replicas=3)
     publisher = kvbus.Publisher(url, stream=stream, source="engine")
-    assert await publisher.aflush(30), "the replicated stream was never created"
-    leader = await stream_leader(cluster, stream)
+    try:
+        assert await publisher.aflush(30), "the replicated stream was never created"
+        leader = await stream_leader(cluster, stream)
+    except BaseException:
+        await publisher.aclose()  # else its client logs reconnects into the next test
+        raise
     follower = Follower(kvbus.subscribe(stream, (sub_url or url).format(leader=leader)), TOTAL + 2)
     try:
         engine = PacedPublishing(publisher, TOTAL, rate=RATE).start()
