@@ -12,7 +12,7 @@ import pytest
 import kvbus
 import kvbus.routing.index
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Kind, KVEventBatch, Message
-from kvbus.bus.subscription import _SLICE as SLICE
+from kvbus.bus.intake import SLICE
 from kvbus.bus.subscription import Resync, ResyncReason
 from kvbus.routing import _kernels
 from kvbus.routing.index import PrefixIndex

@@ -35,19 +35,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def layer_of(module: str) -> int | None:
+def placed(module: str) -> tuple[int, str] | None:
+    """(layer, the group in it) that ``module`` belongs to, highest layer first."""
     for i, layer in enumerate(LAYERS):
         for name in layer:
             if module == name or module.startswith(name + "."):
-                return i
-    return None
-
-
-def group_of(module: str) -> str | None:
-    for layer in LAYERS:
-        for name in layer:
-            if module == name or module.startswith(name + "."):
-                return name
+                return i, name
     return None
 
 
@@ -75,21 +68,23 @@ def imports(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def violations(module: str, tree: ast.AST) -> list[str]:
-    here = layer_of(module)
+    here = placed(module)
     if here is None:
         return [] if module in OUTSIDE else [f"{module} is in no layer (add it to LAYERS)"]
     found = []
     for line, target in imports(tree):
         if target != "kvbus" and not target.startswith("kvbus."):
             continue
-        there = layer_of(target)
+        there = placed(target)
         if there is None:
             if target == "kvbus._moved":
                 continue
             # The package itself, or a name it exports (``kvbus.subscribe``): the
             # public API is the delivery layer's (Publisher, subscribe, the events).
-            target, there = "kvbus.bus", layer_of("kvbus.bus")
-        if there < here or (there == here and group_of(target) != group_of(module)):
+            target, there = "kvbus.bus", placed("kvbus.bus")
+            assert there is not None
+        # Above, or beside in the same layer but another (independent) group.
+        if there[0] < here[0] or (there[0] == here[0] and there[1] != here[1]):
             found.append(f"{module}:{line} imports {target}")
     return found
 

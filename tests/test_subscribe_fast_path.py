@@ -10,7 +10,7 @@ from kvbus.transports import Record
 from kvbus.transports.packing import make_packs
 
 import kvbus
-from kvbus.bus.subscription import _SLICE as SLICE
+from kvbus.bus.intake import SLICE
 from kvbus.bus.subscription import Message, Resync, ResyncReason
 from kvbus.wire.events import KVEventBatch, decode_kv_batch
 

@@ -68,7 +68,7 @@ import msgspec
 
 from kvbus.bus import instruments
 from kvbus.bus.intake import MAX_SOURCE_LENGTH as MAX_SOURCE_LENGTH
-from kvbus.bus.intake import SLICE, EnvelopeChecks, PageIngest
+from kvbus.bus.intake import EnvelopeChecks, PageIngest
 from kvbus.bus.message import Body as Body
 from kvbus.bus.message import Cursor, Message, SourceCursor
 from kvbus.bus.message import Item as Item
@@ -106,9 +106,6 @@ _SNAPSHOTS_REUSED_FOR: Final = 1.0
 """Seconds the stored snapshots read for an expiring gap serve later ones (snapshot
 mode): reading them all again per gap would cost O(all snapshots) per hostile message.
 Read when a subscription starts, as is ``decode_kv_batch`` for the snapshots' batches."""
-
-_SLICE: Final = SLICE
-"""Entries of a page ingested at a time (`kvbus.bus.intake.SLICE`)."""
 
 
 class Subscription:
