@@ -243,7 +243,8 @@ class KvbusEventPublisher(EventPublisher):
     """vLLM ``EventPublisher`` backed by a `kvbus.Publisher` (URL from ``KVBUS_URL``).
 
     Takes the ZMQ options vLLM's config passes to a "zmq" publisher, for vLLM's own
-    publisher when ``KVBUS_KEEP_ZMQ`` is set (ignored otherwise).
+    publisher when ``KVBUS_KEEP_ZMQ`` is set (ignored otherwise). ``source`` names the
+    engine where ``KVBUS_SOURCE`` cannot (`kvbus sim`'s many engines in one process).
     """
 
     def __init__(
@@ -252,13 +253,14 @@ class KvbusEventPublisher(EventPublisher):
         *,
         url: str | None = None,
         stream: str | None = None,
+        source: str | None = None,
         **zmq_options: Any,
     ) -> None:
         super().__init__(data_parallel_rank)
         self.zmq: ZmqEventPublisher | None = None
         if os.environ.get("KVBUS_KEEP_ZMQ", "").lower() in ("1", "true", "yes"):
             self.zmq = ZmqEventPublisher(data_parallel_rank, **zmq_options)
-        source = engine_source(data_parallel_rank)
+        source = source or engine_source(data_parallel_rank)
         self.handoff: Handoff | None = None
         transport = None
         directory = os.environ.get(metrics.METRICS_DIR_ENV)

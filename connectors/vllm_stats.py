@@ -30,17 +30,28 @@ from kvbus.wire.events import LoadMetrics
 
 
 class KvbusStatLogger(StatLoggerBase):
-    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+    """``url`` and ``source`` default to ``KVBUS_URL`` and `engine_source`; `kvbus sim`
+    gives them for each of its engines."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_index: int = 0,
+        *,
+        url: str | None = None,
+        source: str | None = None,
+    ) -> None:
         self.engine_index = engine_index
         self.vllm_config = vllm_config
         self.interval = float(os.environ.get("KVBUS_METRICS_INTERVAL", "0.25"))
         self.heartbeat = float(os.environ.get("KVBUS_METRICS_HEARTBEAT", "2"))
         self.publisher: kvbus.Publisher | None = None
-        if not os.environ.get("KVBUS_URL"):
+        if not (url or os.environ.get("KVBUS_URL")):
             return
         self.publisher = kvbus.Publisher(
+            url,
             stream=os.environ.get("KVBUS_METRICS_STREAM", "metrics"),
-            source=engine_source(engine_index),
+            source=source or engine_source(engine_index),
             data_parallel_rank=engine_index,
         )
         # vLLM's /metrics (one API server) serves the default registry: the bus's

@@ -317,6 +317,12 @@ async def _compact(args: argparse.Namespace) -> int:
     )
 
 
+async def _sim(args: argparse.Namespace) -> int:
+    from kvbus.sim import fleet
+
+    return await fleet.run(args)
+
+
 async def _top(args: argparse.Namespace) -> int:
     from kvbus.ops import top
 
@@ -415,6 +421,15 @@ def main(argv: list[str] | None = None) -> int:
             ) from None
         gateway.add_arguments(router)
 
+    sim = commands.add_parser(
+        "sim", help="a fleet of simulated vLLM engines (vLLM's scheduler, modelled step times)"
+    )
+    if "sim" in words:
+        # vLLM, aiohttp and transformers: imported only for the simulator.
+        from kvbus.sim import fleet
+
+        fleet.add_arguments(sim)
+
     args = parser.parse_args(argv)
     if args.command == "router":
         return gateway.serve(args)
@@ -422,9 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    run = {"tail": _tail, "demo": _demo, "bridge": _bridge, "compact": _compact, "top": _top}[
-        args.command
-    ]
+    run = {
+        "tail": _tail,
+        "demo": _demo,
+        "bridge": _bridge,
+        "compact": _compact,
+        "top": _top,
+        "sim": _sim,
+    }[args.command]
     return run_command(run, args)
 
 

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [  # highest first; a set's members are independent of each other
     {"kvbus.cli"},
+    {"kvbus.sim"},
     {"kvbus.service", "kvbus.ops"},
     {"kvbus.connectors"},
     {"kvbus.routing"},

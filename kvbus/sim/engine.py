@@ -1,0 +1,233 @@
+"""`SimEngine`: drives one simulated engine's core on the event loop, as vLLM's engine
+loop drives a real one: requests that arrive are added before the next step, a step's
+tokens come out when its modelled time has passed, and each step's KV events and load
+go to the bus through the same publisher and stat logger as on a real engine (sources
+``NAME/dp0``), and to vLLM's own ZMQ publisher when a port is given.
+
+A restart (`restart`) is a new engine process: in-flight requests fail, the cache is
+empty, and the bus sees the old epoch end (``SourceStopped``) and a new one start."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_events import EventBatch, EventPublisher, ZmqEventPublisher
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreOutput
+
+from kvbus.connectors.vllm_events import KvbusEventPublisher
+from kvbus.connectors.vllm_stats import KvbusStatLogger
+from kvbus.sim.engine_core import EngineCore, request_seed
+from kvbus.sim.engine_metrics import EngineMetrics
+from kvbus.sim.timing import TimingModel
+
+log = logging.getLogger("kvbus.sim")
+
+
+class EngineStopped(Exception):
+    """The engine restarted or stopped while the request ran."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One request's progress, read by the HTTP handler that submitted it."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival: float
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: Exception | None = None
+    first_token_at: float | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class _Publishers(EventPublisher):
+    """The step's batch to each of the engine's publishers (kvbus's, vLLM's ZMQ)."""
+
+    def __init__(self, publishers: list[EventPublisher]) -> None:
+        super().__init__(0)
+        self.publishers = publishers
+
+    def publish(self, events: EventBatch) -> None:
+        for publisher in self.publishers:
+            publisher.publish(events)
+
+    def shutdown(self) -> None:
+        for publisher in self.publishers:
+            publisher.shutdown()
+
+
+@dataclass(frozen=True)
+class BusOptions:
+    """Where a simulated engine publishes: the bus (``url``, None: nowhere) and vLLM's
+    ZMQ events (``zmq_port``, None: off)."""
+
+    url: str | None = None
+    zmq_port: int | None = None
+    zmq_host: str = "127.0.0.1"
+
+
+class SimEngine:
+    """One simulated engine named ``name`` (its bus source is ``name/dp0``)."""
+
+    def __init__(
+        self,
+        name: str,
+        config: VllmConfig,
+        timing: TimingModel,
+        bus: BusOptions,
+        model_name: str,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.timing = timing
+        self.bus = bus
+        self.model_name = model_name
+        self.metrics = EngineMetrics(model_name)
+        self.restarts = 0
+        self._ids = itertools.count()
+        self._streams: dict[str, RequestStream] = {}
+        self._arrived: list[tuple[RequestStream, list[int], SamplingParams, str | None]] = []
+        self._aborted: list[str] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self._start_core()
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def _start_core(self) -> None:
+        self.core = EngineCore(self.config, self.timing, seed=request_seed(self.name))
+        publishers: list[EventPublisher] = []
+        source = f"{self.name}/dp0"
+        if self.bus.url:
+            publishers.append(KvbusEventPublisher(0, url=self.bus.url, source=source))
+        if self.bus.zmq_port is not None:
+            endpoint = f"tcp://{self.bus.zmq_host}:{self.bus.zmq_port}"
+            publishers.append(ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=None))
+        self._publishers = _Publishers(publishers)
+        self.core.scheduler.kv_event_publisher = self._publishers
+        self.stat_logger = (
+            KvbusStatLogger(self.core.config, 0, url=self.bus.url, source=source)
+            if self.bus.url
+            else None
+        )
+
+    def _stop_core(self, why: str) -> None:
+        for stream in self._streams.values():
+            stream.error = EngineStopped(why)
+            stream.changed.set()
+        self._streams.clear()
+        self._arrived.clear()
+        self._aborted.clear()
+        self._publishers.shutdown()
+        if self.stat_logger is not None:
+            self.stat_logger.close()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"kvbus-sim-{self.name}")
+
+    async def restart(self) -> None:
+        """As if the engine's process were killed and started again (a new epoch, an
+        empty cache; requests in flight fail)."""
+        await asyncio.to_thread(self._stop_core, "the engine restarted")
+        self.restarts += 1
+        self._start_core()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.to_thread(self._stop_core, "the engine stopped")
+
+    # --- requests --------------------------------------------------------------------
+
+    def submit(
+        self, prompt: list[int], sampling: SamplingParams, cache_salt: str | None = None
+    ) -> RequestStream:
+        stream = RequestStream(f"{self.name}-{next(self._ids)}", len(prompt), time.time())
+        self._arrived.append((stream, prompt, sampling, cache_salt))
+        self._streams[stream.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """The client went away: the request is aborted before the next step."""
+        if self._streams.pop(stream.request_id, None) is not None:
+            self._aborted.append(stream.request_id)
+            self._wake.set()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    @property
+    def load(self) -> tuple[int, int]:
+        scheduler = self.core.scheduler
+        return len(scheduler.running), len(scheduler.waiting)
+
+    # --- the engine loop -----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._admit()
+            while self.core.has_work():
+                started = loop.time()
+                decision, seconds = self.core.begin_step()
+                # The forward pass: new arrivals wait for the next step, as in vLLM.
+                await asyncio.sleep(max(0.0, started + seconds - loop.time()))
+                outputs, stats = self.core.end_step(decision)
+                self._deliver(outputs)
+                self.steps += 1
+                if stats is not None:
+                    self._record(stats)
+                self._admit()
+
+    def _admit(self) -> None:
+        if self._aborted:
+            self.core.abort(self._aborted)
+            self._aborted = []
+        for stream, prompt, sampling, cache_salt in self._arrived:
+            self.core.add(stream.request_id, prompt, sampling, stream.arrival, cache_salt)
+        self._arrived.clear()
+
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
+        now = time.time()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.prefill_stats is not None:
+                stream.cached_tokens = output.prefill_stats.num_cached_tokens
+            if output.new_token_ids:
+                if stream.first_token_at is None:
+                    stream.first_token_at = now
+                    self.metrics.ttft.observe(now - stream.arrival)
+                stream.tokens.extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                stream.finish_reason = str(output.finish_reason)
+                del self._streams[output.request_id]
+                self.metrics.finished(
+                    stream.finish_reason, stream.prompt_tokens, len(stream.tokens)
+                )
+                self.metrics.e2e.observe(now - stream.arrival)
+            stream.changed.set()
+
+    def _record(self, stats: Any) -> None:
+        self.metrics.record_step(stats)
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats, None)

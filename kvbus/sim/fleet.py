@@ -1,0 +1,168 @@
+"""`kvbus sim`: a fleet of simulated vLLM engines in one process.
+
+Engine ``i`` serves vLLM's OpenAI API on ``PORT+i`` and publishes its KV events and
+load on the bus as a real engine started with ``KVBUS_SOURCE=PREFIX{i}`` does (sources
+``PREFIX{i}/dp0``), and vLLM's own ZMQ KV events on ``ZMQ_PORT+i`` when asked, so
+routers and consumers run in front of it exactly as in front of real engines::
+
+    kvbus sim --engines 16 --port 8100 --kv-blocks 2048 --block-size 16 \\
+        --model DIR --url nats://127.0.0.1:4222
+    kvbus router --url nats://127.0.0.1:4222 --worker sim-0=http://127.0.0.1:8100 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import sys
+
+from aiohttp import web
+
+from kvbus.service.served_model import Tokenizer
+from kvbus.sim.api import EngineAPI
+from kvbus.sim.engine import BusOptions, SimEngine
+from kvbus.sim.engine_core import EngineShape, engine_config
+from kvbus.sim.timing import DEFAULT_PROFILE, PROFILES, TimingModel, load_profile
+
+log = logging.getLogger("kvbus.sim")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=1, help="simulated engines (default 1)")
+    parser.add_argument("--port", type=int, required=True, help="engine i serves HTTP on PORT+i")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument(
+        "--kv-blocks", type=int, required=True, help="KV cache blocks of each engine"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument(
+        "--model", required=True,
+        help="model directory: its config.json shapes the engine, its tokenizer reads prompts",
+    )  # fmt: skip
+    parser.add_argument("--served-model-name", help="the model's name in the API (default --model)")
+    parser.add_argument(
+        "--url", help="publish KV events and load on this bus (default $KVBUS_URL; none: off)"
+    )
+    parser.add_argument(
+        "--source-prefix", default="sim-",
+        help="engine i publishes as source PREFIX{i}/dp0 (default sim-)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--zmq-port", type=int,
+        help="engine i also publishes vLLM's own ZMQ KV events on tcp://HOST:ZMQ_PORT+i",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", default=DEFAULT_PROFILE,
+        help=f"step timing: one of {', '.join(PROFILES)}, or a JSON file of the five numbers "
+        f"(see kvbus/sim/timing.py) (default {DEFAULT_PROFILE})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speedup", type=float, default=1.0,
+        help="run this many times faster than the profile's hardware (default 1)",
+    )  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, help="vLLM's --max-model-len")
+    parser.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="vLLM's --max-num-batched-tokens"
+    )
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 1 <= args.engines <= 10_000:
+        raise SystemExit("kvbus sim: --engines must be in [1, 10000]")
+    last = args.port + args.engines - 1
+    if not 1 <= args.port or last > 65535:
+        raise SystemExit(f"kvbus sim: ports {args.port}..{last} are not all valid")
+    if args.zmq_port is not None and not (
+        1 <= args.zmq_port and args.zmq_port + args.engines <= 65536
+    ):
+        raise SystemExit("kvbus sim: --zmq-port range is not valid")
+    if args.block_size < 1 or args.kv_blocks < 2:
+        raise SystemExit("kvbus sim: --block-size >= 1 and --kv-blocks >= 2")
+
+
+def _raise_file_limit(engines: int) -> None:
+    """Each engine holds a listening socket, its publishers' connections and event loops."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 64 + 16 * engines
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+class Fleet:
+    """The engines and their HTTP servers."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.engines: list[SimEngine] = []
+        self.runners: list[web.AppRunner] = []
+
+    async def start(self) -> None:
+        args = self.args
+        shape = EngineShape(
+            model=args.model,
+            kv_blocks=args.kv_blocks,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            served_model_name=args.served_model_name,
+        )
+        config = await asyncio.to_thread(engine_config, shape)
+        tokenizer = await asyncio.to_thread(Tokenizer, args.model)
+        timing = TimingModel(load_profile(args.profile), args.speedup)
+        url = args.url or os.environ.get("KVBUS_URL") or None
+        name = args.served_model_name or args.model
+        for i in range(args.engines):
+            zmq_port = None if args.zmq_port is None else args.zmq_port + i
+            bus = BusOptions(url=url, zmq_port=zmq_port, zmq_host=args.host)
+            engine = SimEngine(f"{args.source_prefix}{i}", config, timing, bus, name)
+            self.engines.append(engine)
+            runner = web.AppRunner(EngineAPI(engine, tokenizer, args.model).app(), access_log=None)
+            await runner.setup()
+            self.runners.append(runner)
+            await web.TCPSite(runner, args.host, args.port + i).start()
+            engine.start()
+
+    async def close(self) -> None:
+        for runner in self.runners:
+            with contextlib.suppress(Exception):
+                await runner.cleanup()
+        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+
+
+async def run(args: argparse.Namespace) -> int:
+    _check(args)
+    try:
+        load_profile(args.profile)
+    except ValueError as error:
+        raise SystemExit(f"kvbus sim: {error}") from None
+    _raise_file_limit(args.engines)
+    fleet = Fleet(args)
+    try:
+        await fleet.start()
+        first, last = args.port, args.port + args.engines - 1
+        where = args.url or os.environ.get("KVBUS_URL") or "no bus"
+        print(
+            f"kvbus sim: {args.engines} engines on http://{args.host}:{first}..{last} "
+            f"(sources {args.source_prefix}0/dp0..), publishing to "
+            f"{_redacted(where)}; profile {args.profile}, speedup {args.speedup:g}",
+            file=sys.stderr,
+            flush=True,
+        )
+        await asyncio.Event().wait()
+    finally:
+        await fleet.close()
+    return 0
+
+
+def _redacted(url: str) -> str:
+    from kvbus.config import redact_url
+
+    return redact_url(url) if "://" in url else url
