@@ -288,7 +288,7 @@ class _Reply:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         if self.chat:
             for index in range(len(self.streams)):
-                first = {"delta": {"role": "assistant", "content": ""}}
+                first = {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 await self._event(response, kind, index, first)
         try:
             async for _ in self._updates():
@@ -320,9 +320,7 @@ class _Reply:
     async def _event(
         self, response: web.StreamResponse, kind: str, index: int, part: dict[str, Any]
     ) -> None:
-        choice = {"index": index, **part}
-        if not self.chat:
-            choice.setdefault("logprobs", None)
+        choice = {"index": index, "logprobs": None, **part}
         await self._write(response, {**self._head(kind), "choices": [choice]})
 
     async def _write(self, response: web.StreamResponse, chunk: dict[str, Any]) -> None:

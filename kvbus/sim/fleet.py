@@ -19,14 +19,14 @@ import logging
 import os
 import resource
 import sys
+from typing import TYPE_CHECKING
 
-from aiohttp import web
-
-from kvbus.service.served_model import Tokenizer
-from kvbus.sim.api import EngineAPI
-from kvbus.sim.engine import BusOptions, SimEngine
-from kvbus.sim.engine_core import EngineShape, engine_config
 from kvbus.sim.timing import DEFAULT_PROFILE, PROFILES, TimingModel, load_profile
+
+if TYPE_CHECKING:  # vLLM, aiohttp, transformers: loaded by `Fleet.start`, not for --help
+    from aiohttp import web
+
+    from kvbus.sim.engine import SimEngine
 
 log = logging.getLogger("kvbus.sim")
 
@@ -104,6 +104,13 @@ class Fleet:
         self.runners: list[web.AppRunner] = []
 
     async def start(self) -> None:
+        from aiohttp import web
+
+        from kvbus.service.served_model import Tokenizer
+        from kvbus.sim.api import EngineAPI
+        from kvbus.sim.engine import BusOptions, SimEngine
+        from kvbus.sim.engine_core import EngineShape, engine_config
+
         args = self.args
         shape = EngineShape(
             model=args.model,

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.request import Request
+
+if TYPE_CHECKING:  # vLLM loads in seconds: not for `kvbus sim --help`
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -1,0 +1,354 @@
+"""`kvbus sim`: the timing model, an engine's OpenAI API, and what it publishes.
+
+The engines run in this process (the fleet's own objects on the test's event loop);
+their events go to a real nats-server, and a consumer rebuilds each engine's block
+pool from the stream exactly. Fidelity against a real vLLM engine is in
+test_sim_fidelity.py; routers in front of the sim in test_sim_routers.py."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from cluster import free_port, make_model
+
+import kvbus
+from kvbus import AllBlocksCleared, LoadMetrics, Message
+from kvbus.routing.index import PrefixIndex
+from kvbus.wire.events import SourceStarted, SourceStopped
+
+from .servers import NatsServer
+
+BLOCK = 16
+BLOCKS = 40  # 39 usable: workloads below evict
+PREFIX = " ".join(f"w{i}" for i in range(100, 180))  # 80 tokens: 5 blocks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("sim-model")
+    make_model(directory)
+    return directory
+
+
+def sim_args(model: Path, port: int, url: str | None, engines: int = 2, **extra: Any) -> Any:
+    parser = argparse.ArgumentParser()
+    from kvbus.sim import fleet
+
+    fleet.add_arguments(parser)
+    argv = [
+        "--engines", str(engines), "--port", str(port), "--kv-blocks", str(BLOCKS),
+        "--block-size", str(BLOCK), "--model", str(model), "--max-model-len", "512",
+        "--profile", "instant", "--source-prefix", f"simtest{port}-",
+    ]  # fmt: skip
+    if url:
+        argv += ["--url", url]
+    for key, value in extra.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return parser.parse_args(argv)
+
+
+class Sim:
+    """An in-process fleet and an HTTP client for it."""
+
+    def __init__(self, fleet: Any, session: aiohttp.ClientSession, port: int) -> None:
+        self.fleet = fleet
+        self.session = session
+        self.port = port
+
+    def source(self, engine: int) -> str:
+        return f"{self.fleet.engines[engine].name}/dp0"
+
+    def url(self, engine: int, path: str) -> str:
+        return f"http://127.0.0.1:{self.port + engine}{path}"
+
+    async def post(self, engine: int, path: str, body: Any = None) -> tuple[int, Any]:
+        async with self.session.post(self.url(engine, path), json=body) as response:
+            text = await response.text()
+            return response.status, json.loads(text) if text else None
+
+    async def complete(self, engine: int, prompt: str | list[int], **body: Any) -> Any:
+        status, reply = await self.post(
+            engine, "/v1/completions", {"prompt": prompt, "max_tokens": 3, **body}
+        )
+        assert status == 200, reply
+        return reply
+
+
+@pytest.fixture
+async def sim(model_dir: Path, nats_server: NatsServer) -> AsyncIterator[Sim]:
+    from kvbus.sim.fleet import Fleet
+
+    port = free_port()
+    fleet = Fleet(sim_args(model_dir, port, nats_server.url))
+    await fleet.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield Sim(fleet, session, port)
+    finally:
+        await fleet.close()
+
+
+async def read_bus(url: str, source: str, stream: str = "kv") -> list[Message]:
+    """Everything ``source`` published on ``stream`` so far (its publishers flushed)."""
+    sub = kvbus.subscribe(stream, url, follow=False, sources=[source])
+    items = [item async for item in sub if isinstance(item, Message)]
+    await sub.aclose()
+    return items
+
+
+def flush(sim: Sim, engine: int) -> None:
+    publisher = sim.fleet.engines[engine]._publishers.publishers[0].publisher
+    assert publisher.flush(10)
+
+
+def pool_hashes(sim: Sim, engine: int) -> set[Any]:
+    """The block hashes the engine's vLLM block pool holds now, as events carry them."""
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    pool = sim.fleet.engines[engine].core.scheduler.kv_cache_manager.block_pool
+    return {
+        maybe_convert_block_hash(get_block_hash(key))
+        for key in pool.cached_block_hash_to_block._cache
+    }
+
+
+# --- the timing model -----------------------------------------------------------------------
+
+
+def test_step_time_follows_the_profile_for_prefill_and_decode_steps(model_dir: Path) -> None:
+    from vllm.sampling_params import SamplingParams
+
+    from kvbus.sim.engine_core import EngineCore, EngineShape, engine_config
+    from kvbus.sim.timing import Profile, StepWork, TimingModel, step_work
+
+    profile = Profile(overhead=1e-3, weight_read=5e-3, prefill=1e-4, decode=2e-4, context=1e-6)
+    timing = TimingModel(profile, speedup=2.0)
+    core = EngineCore(engine_config(EngineShape(str(model_dir), BLOCKS, BLOCK, 512)), timing)
+    core.add("a", list(range(3, 103)), SamplingParams(max_tokens=2, ignore_eos=True), 0.0)
+    decision, seconds = core.begin_step()
+    work = step_work(decision, core.scheduler.requests)
+    assert work == StepWork(prefill_tokens=100, decode_seqs=0, context_tokens=100)
+    # 100 prefill tokens (10 ms of compute) beat the 5 ms weight read; halved by speedup.
+    assert seconds == pytest.approx((1e-3 + 100 * 1e-4 + 100 * 1e-6) / 2)
+    core.end_step(decision)
+    decision, seconds = core.begin_step()
+    work = step_work(decision, core.scheduler.requests)
+    assert work == StepWork(prefill_tokens=0, decode_seqs=1, context_tokens=101)
+    # One decode: the weight read is the floor.
+    assert seconds == pytest.approx((1e-3 + 5e-3 + 101 * 1e-6) / 2)
+    assert timing.seconds(StepWork()) == 0.0
+
+
+def test_profiles_load_by_name_or_file_and_refuse_bad_numbers(tmp_path: Path) -> None:
+    from kvbus.sim.timing import PROFILES, load_profile
+
+    assert load_profile("h100-llama-3.1-8b") is PROFILES["h100-llama-3.1-8b"]
+    assert all(p.source for p in PROFILES.values())  # every profile says where it comes from
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"overhead": 0, "weight_read": 0.02, "prefill": 1e-5,
+                                "decode": 1e-5, "context": 0}))  # fmt: skip
+    assert load_profile(str(mine)).weight_read == 0.02
+    mine.write_text(json.dumps({"overhead": -1, "weight_read": 0, "prefill": 0,
+                                "decode": 0, "context": 0}))  # fmt: skip
+    with pytest.raises(ValueError, match="overhead"):
+        load_profile(str(mine))
+    with pytest.raises(ValueError, match="neither"):
+        load_profile("b200-unknown")
+
+
+# --- the API --------------------------------------------------------------------------------
+
+
+async def test_completions_report_the_prefix_cache_as_vllm_does(sim: Sim) -> None:
+    first = await sim.complete(0, PREFIX + " w5 w6")
+    again = await sim.complete(0, PREFIX + " w7 w8 w9")
+    assert first["usage"]["prompt_tokens"] == 82
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 80  # 5 whole blocks
+    assert again["usage"]["completion_tokens"] == 3
+    assert again["choices"][0]["finish_reason"] == "length"
+    assert len(again["choices"][0]["text"].split()) == 3
+    # The other engine has its own cache; a salt makes a different cache key, as in vLLM.
+    other = await sim.complete(1, PREFIX + " w7")
+    salted = await sim.complete(0, PREFIX + " w7", cache_salt="tenant-b")
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    tokens = await sim.complete(0, [*range(100, 180), 9])  # token ids: the same blocks
+    assert tokens["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+
+
+async def test_chat_streams_deltas_then_usage_then_done(sim: Sim) -> None:
+    body = {
+        "messages": [{"role": "user", "content": PREFIX}],
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with sim.session.post(sim.url(0, "/v1/chat/completions"), json=body) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode().strip() async for line in response.content]
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert len(text.split()) == 4
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 4
+    status, counted = await sim.post(0, "/tokenize", {"messages": body["messages"]})
+    assert status == 200 and usage["prompt_tokens"] == counted["count"]
+
+
+async def test_n_choices_share_the_prompt_and_bad_requests_get_vllm_errors(sim: Sim) -> None:
+    reply = await sim.complete(0, PREFIX, n=3)
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert reply["usage"]["completion_tokens"] == 9
+    long = " ".join(["w9"] * 600)
+    for body in (
+        {"prompt": PREFIX, "max_tokens": 0},
+        {"prompt": PREFIX, "max_tokens": "3"},
+        {"prompt": PREFIX, "n": 10_000},
+        {"prompt": ""},
+        {"prompt": [-1, 5]},
+        {"prompt": long},
+        {"prompt": PREFIX, "cache_salt": 7},
+        {"nothing": 1},
+    ):
+        status, error = await sim.post(0, "/v1/completions", body)
+        assert status == 400, body
+        assert error["error"]["type"] == "BadRequestError" and error["error"]["message"]
+    status, error = await sim.post(0, "/v1/chat/completions", {"messages": []})
+    assert status == 400
+    # The engine still serves after them.
+    assert (await sim.complete(0, "w5 w6"))["usage"]["prompt_tokens"] == 2
+
+
+async def test_models_health_metrics_and_what_vllm_router_calls(sim: Sim, model_dir: Path) -> None:
+    async with sim.session.get(sim.url(0, "/v1/models")) as response:
+        models = await response.json()
+    assert models["data"][0]["id"] == str(model_dir)
+    assert models["data"][0]["max_model_len"] == 512
+    async with sim.session.get(sim.url(1, "/health")) as response:
+        assert response.status == 200
+    await sim.complete(0, PREFIX)
+    await sim.complete(0, PREFIX)
+    async with sim.session.get(sim.url(0, "/metrics")) as response:
+        text = await response.text()
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:") and "{" in line
+    }
+    assert values["vllm:prefix_cache_queries_total"] == 160
+    assert values["vllm:prefix_cache_hits_total"] == 64  # 4 blocks: the last token is computed
+    assert values["vllm:generation_tokens_total"] == 6
+    assert "vllm:num_requests_running" in values and "vllm:kv_cache_usage_perc" in values
+    status, tokens = await sim.post(0, "/tokenize", {"prompt": "w5 w6"})
+    assert status == 200 and tokens["tokens"][-2:] == [5, 6]
+    status, text_back = await sim.post(0, "/detokenize", {"tokens": [5, 6]})
+    assert status == 200 and text_back["prompt"] == "w5 w6"
+    # As a server without --enable-scale-out: vllm-router falls back to /tokenize.
+    status, error = await sim.post(0, "/v1/completions/render", {"prompt": "w5"})
+    assert status == 403 and error["error"]["type"] == "PermissionDeniedError"
+
+
+# --- the bus ---------------------------------------------------------------------------------
+
+
+async def test_the_bus_rebuilds_each_engines_block_pool_exactly(
+    sim: Sim, nats_server: NatsServer
+) -> None:
+    """A workload that evicts (more prefixes than the 39 usable blocks hold): kvbus's own
+    index, fed the engine's stream, holds exactly the blocks vLLM's block pool holds."""
+    for round_ in range(3):
+        for tenant in range(8):
+            prefix = " ".join(f"w{100 + 50 * tenant + i}" for i in range(80 + 16 * (tenant % 3)))
+            await sim.complete(0, f"{prefix} w{round_ + 3}", max_tokens=5)
+    await sim.complete(0, f"{prefix} w9", max_tokens=5)  # the last prefix again: a hit
+    flush(sim, 0)
+    stat_logger = sim.fleet.engines[0].stat_logger
+    assert stat_logger is not None and stat_logger.publisher.flush(10)
+    index = PrefixIndex(BLOCK)
+    removed = 0
+    for message in await read_bus(nats_server.url, sim.source(0)):
+        index.apply(message)
+        if isinstance(message.body, kvbus.KVEventBatch):
+            removed += sum(isinstance(e, kvbus.BlockRemoved) for e in message.body.events)
+    assert removed > 0  # the workload did evict
+    assert index.blocks(sim.source(0)) == pool_hashes(sim, 0)
+    load = [m.body for m in await read_bus(nats_server.url, sim.source(0), "metrics")]
+    assert any(isinstance(b, LoadMetrics) and b.prefix_cache_hits > 0 for b in load)
+    assert any(isinstance(b, LoadMetrics) and b.kv_cache_blocks == BLOCKS for b in load)
+
+
+async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: NatsServer) -> None:
+    await sim.complete(0, PREFIX)
+    status, _ = await sim.post(0, "/reset_prefix_cache")
+    assert status == 200
+    # vLLM publishes the cleared event with the next step's batch (as a real engine does).
+    assert (await sim.complete(0, PREFIX))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    flush(sim, 0)
+    kv = await read_bus(nats_server.url, sim.source(0))
+    assert any(
+        isinstance(e, AllBlocksCleared)
+        for m in kv
+        if isinstance(m.body, kvbus.KVEventBatch)
+        for e in m.body.events
+    )
+    # A restart fails the request in flight and starts a new epoch with an empty cache.
+    from kvbus.sim.timing import Profile, TimingModel
+
+    slow_steps = Profile(overhead=0, weight_read=0.05, prefill=0, decode=0, context=0)
+    sim.fleet.engines[1].core.timing = TimingModel(slow_steps)  # 400 tokens: 20 s
+    whole = asyncio.create_task(sim.post(1, "/v1/completions", {"prompt": "w5", "max_tokens": 400}))
+    body = {"prompt": PREFIX, "max_tokens": 400, "stream": True}
+    async with sim.session.post(sim.url(1, "/v1/completions"), json=body) as response:
+        assert (await response.content.readline()).startswith(b"data: ")  # a token: running
+        status, restarted = await sim.post(1, "/sim/restart")
+        assert status == 200 and restarted == {"restarts": 1}
+        rest = (await response.read()).decode()
+    assert "the engine restarted" in rest and rest.endswith("data: [DONE]\n\n")
+    status, failed = await whole
+    assert status == 500 and "restarted" in failed["error"]["message"]
+    assert (await sim.complete(1, PREFIX))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    flush(sim, 1)
+    sub = kvbus.subscribe("kv", nats_server.url, follow=False, sources=[sim.source(1)])
+    items = [item async for item in sub]
+    await sub.aclose()
+    bodies = [type(i.body).__name__ if isinstance(i, Message) else i.reason for i in items]
+    stopped = bodies.index("SourceStopped")
+    assert bodies[stopped + 1 : stopped + 3] == ["new_epoch", "SourceStarted"]
+    epochs = {i.epoch for i in items if isinstance(i, Message)}
+    assert len(epochs) == 2
+    assert isinstance(items[0], Message) and isinstance(items[0].body, SourceStarted)
+    assert any(isinstance(i, Message) and isinstance(i.body, SourceStopped) for i in items)
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def test_the_command_documents_its_interface_and_refuses_bad_options(model_dir: Path) -> None:
+    kvbus_cli = [sys.executable, "-m", "kvbus.cli", "sim"]
+    shown = subprocess.run([*kvbus_cli, "--help"], capture_output=True, text=True, check=True)
+    for option in ("--engines", "--port", "--kv-blocks", "--block-size", "--model",
+                   "--served-model-name", "--url", "--source-prefix", "--zmq-port",
+                   "--profile", "--speedup"):  # fmt: skip
+        assert option in shown.stdout
+    base = ["--port", "9000", "--kv-blocks", "64", "--model", str(model_dir)]
+    for bad in (["--engines", "0"], ["--port", "65535", "--engines", "2"], ["--profile", "nope"]):
+        # Refused before vLLM loads: these take a fraction of a second.
+        argv = [*base, *bad] if bad[0] != "--port" else [*bad, "--kv-blocks", "64",
+                                                         "--model", str(model_dir)]  # fmt: skip
+        failed = subprocess.run([*kvbus_cli, *argv], capture_output=True, text=True, timeout=120)
+        assert failed.returncode != 0 and "kvbus sim:" in failed.stderr, failed.stderr
