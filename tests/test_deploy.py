@@ -475,7 +475,7 @@ def test_files_the_image_copies_build_kvbus_with_its_plugin(tmp_path: Path) -> N
         plugins = built.read(entry_points).decode()
     assert "kvbus/transports/nats.py" in names
     assert any(n.startswith("kvbus/routing/_ckernels") and n.endswith(".so") for n in names)
-    for package in ("wire", "bus", "routing", "metrics", "service", "ops"):  # every layer
+    for package in ("wire", "bus", "routing", "metrics", "service", "ops", "sim"):  # every layer
         assert f"kvbus/{package}/__init__.py" in names, package
     assert "kvbus/routing/_ckernels.pyi" in names and "kvbus/py.typed" in names
     assert "kvbus.connectors.vllm_events:register" in plugins
