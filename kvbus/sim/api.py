@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 from aiohttp import web
@@ -282,8 +282,7 @@ class _Reply:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        sent = [0] * len(self.streams)
-        texts = [""] * len(self.streams)
+        texts = [_Detokenizer(self.api.text) for _ in self.streams]
         finished = [False] * len(self.streams)
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         if self.chat:
@@ -293,11 +292,10 @@ class _Reply:
         try:
             async for _ in self._updates():
                 for index, stream in enumerate(self.streams):
-                    if finished[index] or (sent[index] == len(stream.tokens) and not stream.done):
+                    fresh = texts[index].read < len(stream.tokens)
+                    if finished[index] or not (fresh or stream.done):
                         continue
-                    text = self.api.text(stream.tokens)
-                    delta, texts[index] = text[len(texts[index]) :], text
-                    sent[index] = len(stream.tokens)
+                    delta = texts[index].delta(stream.tokens)
                     finished[index] = stream.done
                     part: dict[str, Any] = (
                         {"delta": {"content": delta}} if self.chat else {"text": delta}
@@ -325,3 +323,26 @@ class _Reply:
 
     async def _write(self, response: web.StreamResponse, chunk: dict[str, Any]) -> None:
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+
+class _Detokenizer:
+    """A stream's text, decoded a few tokens at a time (as vLLM's incremental
+    detokenizer does): each step decodes a short window, not the whole output again,
+    and holds back a piece that ends in a partial character."""
+
+    _CONTEXT: Final = 4
+    """Tokens decoded before the new ones, so that word joins come out as in the whole."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.prefix = 0
+        self.read = 0
+
+    def delta(self, tokens: list[int]) -> str:
+        before = self.decode(tokens[self.prefix : self.read])
+        after = self.decode(tokens[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # nothing whole yet: sent with a later token
+        self.prefix = max(self.prefix, len(tokens) - self._CONTEXT)
+        self.read = len(tokens)
+        return after[len(before) :]
