@@ -354,3 +354,17 @@ def test_the_command_documents_its_interface_and_refuses_bad_options(model_dir: 
                                                          "--model", str(model_dir)]  # fmt: skip
         failed = subprocess.run([*kvbus_cli, *argv], capture_output=True, text=True, timeout=120)
         assert failed.returncode != 0 and "kvbus sim:" in failed.stderr, failed.stderr
+
+
+def test_a_cache_too_small_for_one_request_is_refused_as_vllm_refuses_it(model_dir: Path) -> None:
+    # vLLM plans its admission check against --num-gpu-blocks-override, less the null block.
+    argv = ["--port", str(free_port()), "--kv-blocks", "8", "--block-size", "16",
+            "--max-model-len", "512", "--model", str(model_dir)]  # fmt: skip
+    failed = subprocess.run(
+        [sys.executable, "-m", "kvbus.cli", "sim", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert failed.returncode != 0
+    assert "kvbus sim: 8 KV blocks of 16 tokens cannot hold one request" in failed.stderr

@@ -195,6 +195,8 @@ class SimEngine:
                 self.steps += 1
                 if stats is not None:
                     self._record(stats)
+                if not decision.total_num_scheduled_tokens and not outputs:
+                    break  # nothing can run until a request arrives or ends: no busy loop
                 self._admit()
 
     def _admit(self) -> None:

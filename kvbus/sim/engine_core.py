@@ -70,6 +70,16 @@ def engine_config(shape: EngineShape) -> VllmConfig:
     )
     config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
     config.cache_config.num_gpu_blocks = shape.kv_blocks
+    # vLLM refuses to start an engine whose cache cannot hold one request of the
+    # longest length it accepts; so does the sim (such a request would wait for ever).
+    longest = config.model_config.max_model_len
+    needed = -(-longest // config.cache_config.block_size)
+    if shape.kv_blocks - 1 < needed:
+        raise ValueError(
+            f"{shape.kv_blocks} KV blocks of {config.cache_config.block_size} tokens cannot "
+            f"hold one request of max_model_len {longest} (needs {needed} + 1 blocks): "
+            "give more --kv-blocks or a smaller --max-model-len"
+        )
     return config
 
 

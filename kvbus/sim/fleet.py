@@ -153,7 +153,10 @@ async def run(args: argparse.Namespace) -> int:
     _raise_file_limit(args.engines)
     fleet = Fleet(args)
     try:
-        await fleet.start()
+        try:
+            await fleet.start()
+        except ValueError as error:  # a shape vLLM would refuse too
+            raise SystemExit(f"kvbus sim: {error}") from None
         first, last = args.port, args.port + args.engines - 1
         where = args.url or os.environ.get("KVBUS_URL") or "no bus"
         print(
