@@ -368,3 +368,49 @@ def test_a_cache_too_small_for_one_request_is_refused_as_vllm_refuses_it(model_d
     )
     assert failed.returncode != 0
     assert "kvbus sim: 8 KV blocks of 16 tokens cannot hold one request" in failed.stderr
+
+
+def launch(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "kvbus.cli", *argv], stdout=out, stderr=out)
+
+
+async def test_sigterm_ends_every_engines_epoch_on_both_streams(
+    model_dir: Path, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A fleet stopped with SIGTERM announces each engine stopped (kv and metrics
+    streams) within kvbus's shutdown grace: consumers see `stopped`, not silence."""
+    engines, port = 24, free_port()
+    while any(free_port() == port + i for i in range(1, engines)):  # pragma: no cover
+        port = free_port()
+    prefix = f"simterm{port}-"
+    argv = [
+        "sim", "--engines", str(engines), "--port", str(port), "--kv-blocks", "64",
+        "--block-size", "16", "--max-model-len", "512", "--model", str(model_dir),
+        "--url", nats_server.url, "--source-prefix", prefix, "--profile", "instant",
+    ]  # fmt: skip
+    process = launch(argv, tmp_path / "sim.log")
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(1200):
+                if process.poll() is not None:
+                    break
+                try:
+                    async with session.get(f"http://127.0.0.1:{port + engines - 1}/health"):
+                        break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.1)
+            body = {"prompt": PREFIX, "max_tokens": 2}
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                assert r.status == 200, (tmp_path / "sim.log").read_text()[-3000:]
+        process.terminate()
+        assert process.wait(30) == 143
+    finally:
+        process.kill()
+    for stream in ("kv", "metrics"):
+        sources = [f"{prefix}{i}/dp0" for i in range(engines)]
+        sub = kvbus.subscribe(stream, nats_server.url, follow=False, sources=sources)
+        last = {m.source: m.body async for m in sub if isinstance(m, Message)}
+        await sub.aclose()
+        not_stopped = [s for s in sources if not isinstance(last.get(s), SourceStopped)]
+        assert not_stopped == [], (stream, (tmp_path / "sim.log").read_text()[-2000:])

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,11 +147,14 @@ class SimEngine:
         self.restarts += 1
         self._start_core()
 
-    async def close(self) -> None:
+    async def close(self, executor: Executor | None = None) -> None:
+        """Stop stepping and end the epoch (``SourceStopped``), closing the publishers
+        in ``executor`` (their close blocks while they flush)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self._stop_core, "the engine stopped")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(executor, self._stop_core, "the engine stopped")
 
     # --- requests --------------------------------------------------------------------
 
