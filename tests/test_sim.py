@@ -414,3 +414,21 @@ async def test_sigterm_ends_every_engines_epoch_on_both_streams(
         await sub.aclose()
         not_stopped = [s for s in sources if not isinstance(last.get(s), SourceStopped)]
         assert not_stopped == [], (stream, (tmp_path / "sim.log").read_text()[-2000:])
+
+
+async def test_an_engine_states_its_shape_and_gpu_profiles_bring_vllms_gpu_limits(
+    sim: Sim, model_dir: Path
+) -> None:
+    from kvbus.sim.engine_core import EngineShape, engine_config
+    from kvbus.sim.timing import PROFILES
+
+    async with sim.session.get(sim.url(1, "/sim/state")) as response:
+        state = await response.json()
+    # The instant profile keeps this platform's defaults (vLLM on a CPU: 128 and 2048).
+    assert state["kv_blocks"] == BLOCKS and state["name"] == sim.fleet.engines[1].name
+    assert (state["max_num_seqs"], state["max_num_batched_tokens"]) == (128, 2048)
+    h100 = PROFILES["h100-llama-3.1-8b"]
+    shape = EngineShape(str(model_dir), 2048, 16, 2048, h100.max_num_seqs,
+                        h100.max_num_batched_tokens)  # fmt: skip
+    scheduler = engine_config(shape).scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (1024, 8192)

@@ -206,6 +206,7 @@ class EngineAPI:
 
     async def state(self, request: web.Request) -> web.Response:
         running, waiting = self.engine.load
+        limits = self.engine.config.scheduler_config
         return web.json_response(
             {
                 "name": self.engine.name,
@@ -214,6 +215,8 @@ class EngineAPI:
                 "steps": self.engine.steps,
                 "restarts": self.engine.restarts,
                 "kv_blocks": self.engine.core.num_blocks,
+                "max_num_seqs": limits.max_num_seqs,
+                "max_num_batched_tokens": limits.max_num_batched_tokens,
             }
         )
 

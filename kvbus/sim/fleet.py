@@ -66,7 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run this many times faster than the profile's hardware (default 1)",
     )  # fmt: skip
     parser.add_argument("--max-model-len", type=int, help="vLLM's --max-model-len")
-    parser.add_argument("--max-num-seqs", type=int, help="vLLM's --max-num-seqs")
+    parser.add_argument(
+        "--max-num-seqs", type=int,
+        help="vLLM's --max-num-seqs (default: vLLM's for the profile's GPU, else this platform's)",
+    )  # fmt: skip
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="vLLM's --max-num-batched-tokens"
     )
@@ -113,18 +116,19 @@ class Fleet:
         from kvbus.sim.engine_core import EngineShape, engine_config
 
         args = self.args
+        profile = load_profile(args.profile)
         shape = EngineShape(
             model=args.model,
             kv_blocks=args.kv_blocks,
             block_size=args.block_size,
             max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs or profile.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or profile.max_num_batched_tokens,
             served_model_name=args.served_model_name,
         )
         config = await asyncio.to_thread(engine_config, shape)
         tokenizer = await asyncio.to_thread(Tokenizer, args.model)
-        timing = TimingModel(load_profile(args.profile), args.speedup)
+        timing = TimingModel(profile, args.speedup)
         url = args.url or os.environ.get("KVBUS_URL") or None
         name = args.served_model_name or args.model
         for i in range(args.engines):

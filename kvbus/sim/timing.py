@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -42,18 +42,31 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     decode: float
     context: float
     source: str = ""
+    max_num_seqs: int | None = None
+    """vLLM's OpenAI-server default on this hardware (None: the running platform's),
+    used unless ``--max-num-seqs`` is given."""
+    max_num_batched_tokens: int | None = None
+    """Likewise for ``--max-num-batched-tokens``."""
 
     def __post_init__(self) -> None:
         for name in ("overhead", "weight_read", "prefill", "decode", "context"):
             value = getattr(self, name)
             if not 0.0 <= value < 10.0:
                 raise ValueError(f"profile {name}={value!r}: seconds in [0, 10)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            limit = getattr(self, name)
+            if limit is not None and not 1 <= limit <= 1 << 20:
+                raise ValueError(f"profile {name}={limit!r}: in [1, 2**20]")
 
 
 _VIDUR: Final = (
     "Vidur's per-operator profiles (github.com/microsoft/vidur, data/profiling/compute, "
     "commit 7d47513): linear, norm and RoPE medians summed over layers"
 )
+# vLLM's scheduler defaults for an OpenAI server by GPU (vllm/engine/arg_utils.py,
+# _get_default_max_num_seqs_and_batched_tokens): H100/H200-class, A100.
+_H100_LIMITS: Final[dict[str, Any]] = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+_A100_LIMITS: Final[dict[str, Any]] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
 PROFILES: Final[dict[str, Profile]] = {
     # Llama-3.1-8B bf16 (15.0 GB of weights read per step, 128 KiB of KV per token).
     "h100-llama-3.1-8b": Profile(
@@ -62,6 +75,7 @@ PROFILES: Final[dict[str, Profile]] = {
         prefill=21.5e-6,
         decode=23e-6,
         context=57e-9,
+        **_H100_LIMITS,
         source=f"{_VIDUR} (Llama-2-7B on H100 scaled by 1.077 for 8B: 2.31 TB/s effective, "
         "~46k prefill tokens/s); checked against a vLLM H100 concurrency sweep (TPOT p50 "
         "6.5 ms at 1-4 concurrent, yobitelcomm.github.io/bench/recipes/concurrency-sweep)",
@@ -72,6 +86,7 @@ PROFILES: Final[dict[str, Profile]] = {
         prefill=66e-6,
         decode=70e-6,
         context=91e-9,
+        **_A100_LIMITS,
         source=f"{_VIDUR} (Meta-Llama-3-8B on A100 80GB: 1.44 TB/s effective, ~15k prefill "
         "tokens/s); overhead from vLLM's CI latency_llama8B_tp1 on A100-SXM4-80GB "
         "(1579 ms for 128 steps, buildkite vllm/performance-benchmark build 9523)",
@@ -82,6 +97,7 @@ PROFILES: Final[dict[str, Profile]] = {
         prefill=50e-6,
         decode=51e-6,
         context=49e-9,
+        **_H100_LIMITS,
         source=f"{_VIDUR} (Llama-2-70B TP2 on H100 scaled to Qwen3-32B's 64 GFLOP/token); "
         "overhead (mostly TP all-reduce) from NVIDIA NIM's Llama-3.3-70B 2xH100 ITL "
         "(docs.nvidia.com/nim/benchmarking/llm): the weakest number here; llm-d's "
