@@ -126,16 +126,25 @@ class SimEngine:
             else None
         )
 
-    def _stop_core(self, why: str) -> None:
-        for stream in self._streams.values():
+    async def _stop_core(self, why: str, executor: Executor | None) -> None:
+        """Stop stepping, fail every request the core holds (on the loop: they wake
+        their handlers) and close its publishers in ``executor`` (a close blocks while
+        it flushes). Requests that arrive meanwhile wait for the next core."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
             stream.error = EngineStopped(why)
             stream.changed.set()
-        self._streams.clear()
-        self._arrived.clear()
-        self._aborted.clear()
-        self._publishers.shutdown()
-        if self.stat_logger is not None:
-            self.stat_logger.close()
+        self._arrived = [a for a in self._arrived if a[0].request_id in self._streams]
+        self._aborted = []
+        publishers, stat_logger = self._publishers, self.stat_logger
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(executor, publishers.shutdown)
+        if stat_logger is not None:
+            await loop.run_in_executor(executor, stat_logger.close)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kvbus-sim-{self.name}")
@@ -143,18 +152,14 @@ class SimEngine:
     async def restart(self) -> None:
         """As if the engine's process were killed and started again (a new epoch, an
         empty cache; requests in flight fail)."""
-        await asyncio.to_thread(self._stop_core, "the engine restarted")
+        await self._stop_core("the engine restarted", None)
         self.restarts += 1
         self._start_core()
+        self.start()
 
     async def close(self, executor: Executor | None = None) -> None:
-        """Stop stepping and end the epoch (``SourceStopped``), closing the publishers
-        in ``executor`` (their close blocks while they flush)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(executor, self._stop_core, "the engine stopped")
+        """Stop stepping and end the epoch (``SourceStopped``)."""
+        await self._stop_core("the engine stopped", executor)
 
     # --- requests --------------------------------------------------------------------
 
