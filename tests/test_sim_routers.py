@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import zmq
 from cluster import BLOCK, RouterProcess, SimEngine, SimFleet, get_json, make_model
+from peers import PEERS, PeerRouter, find_peers
 
 from kvbus.wire.events import BlockStored, KVEventBatch
 
@@ -197,3 +198,43 @@ def test_render_gives_the_prompts_token_ids_as_tokenize_does(fleet: SimFleet) ->
     assert rendered["request_id"].startswith("chatcmpl-")
     status, _, error = post(f"{url}/v1/completions/render", {"model": model, "prompt": ""})
     assert status == 400 and error["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("run", list(PEERS))
+def test_peer_routers_serve_in_front_of_the_sim(fleet: SimFleet, run: str) -> None:
+    """The peers (sglang-router, vllm-router: `bash scripts/install.sh peers`, not in
+    CI) route to the sim's engines as to real ones: prompts sharing a prefix find it
+    cached. A peer that is not installed is skipped; kvbus's own router is not."""
+    kind, policy = PEERS[run]
+    if kind not in find_peers():
+        pytest.skip(f"{kind} is not installed (bash scripts/install.sh peers)")
+    for engine in fleet.engines:
+        engine.reset_prefix_cache()
+    workers = {engine.source: engine.url for engine in fleet.engines}
+    # Only kv_aware reads vLLM's ZMQ events (the others are waited on for no socket).
+    zmq = {e.source: e.zmq_endpoints for e in fleet.engines if policy == "kv_aware"}
+    peer = PeerRouter(
+        kind, policy, workers, str(fleet.model), fleet.data_dir,
+        kv_sources={w: e[0] for w, e in zmq.items()},
+        kv_replay={w: e[1] for w, e in zmq.items()},
+        block_size=BLOCK, log_level="warning",
+    )  # fmt: skip
+    rng = random.Random(11)
+    prefix = [f"w{rng.randrange(4, 1024)}" for _ in range(PREFIX_BLOCKS * BLOCK)]
+    with peer:
+        cached = []
+        for _ in range(5):
+            words = prefix + [f"w{rng.randrange(4, 1024)}" for _ in range(40)]
+            body = {"model": str(fleet.model), "prompt": " ".join(words), "max_tokens": 2}
+            status, _, answer = post(f"{peer.url}/v1/completions", body)
+            assert status == 200, answer
+            cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        lookups = peer.metrics()
+    assert cached[0] == 0
+    if policy == "kv_aware":
+        # It routes on the engines' ZMQ events, which race the next request (no metric
+        # says when they are applied): not every request need find the prefix.
+        hits = lookups.get('vllm_router_kv_placement_lookups_total{result="hit"}', 0)
+        assert hits >= 1 and sum(c >= PREFIX_BLOCKS * BLOCK for c in cached[1:]) >= 1
+    else:  # its own tree of what it routed: every later request goes where the prefix is
+        assert all(c >= PREFIX_BLOCKS * BLOCK for c in cached[1:]), cached
