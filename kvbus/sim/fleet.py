@@ -2,8 +2,10 @@
 
 Engine ``i`` serves vLLM's OpenAI API on ``PORT+i`` and publishes its KV events and
 load on the bus as a real engine started with ``KVBUS_SOURCE=PREFIX{i}`` does (sources
-``PREFIX{i}/dp0``), and vLLM's own ZMQ KV events on ``ZMQ_PORT+i`` when asked, so
-routers and consumers run in front of it exactly as in front of real engines::
+``PREFIX{i}/dp0``), and vLLM's own ZMQ KV events on ``ZMQ_PORT+i`` (replay on
+``ZMQ_REPLAY_PORT+i``) when asked, so routers and consumers run in front of it exactly
+as in front of real engines (`tests/test_sim_routers.py`, ``examples/router_demo.py
+--sim``)::
 
     kvbus sim --engines 16 --port 8100 --kv-blocks 2048 --block-size 16 \\
         --model DIR --url nats://127.0.0.1:4222
@@ -57,6 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine i also publishes vLLM's own ZMQ KV events on tcp://HOST:ZMQ_PORT+i",
     )  # fmt: skip
     parser.add_argument(
+        "--zmq-replay-port", type=int,
+        help="with --zmq-port: engine i answers replay requests for missed ZMQ events on "
+        "tcp://HOST:ZMQ_REPLAY_PORT+i (vLLM's replay_endpoint; default none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--enable-scale-out", action="store_true",
+        help="serve /v1/completions/render and /v1/chat/completions/render, as vLLM's "
+        "--enable-scale-out does (vllm-router reads prompts' token ids there)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile", default=DEFAULT_PROFILE,
         help=f"step timing: one of {', '.join(PROFILES)}, or a JSON file of the five numbers "
         f"(see kvbus/sim/timing.py) (default {DEFAULT_PROFILE})",
@@ -85,6 +97,11 @@ def _check(args: argparse.Namespace) -> None:
         1 <= args.zmq_port and args.zmq_port + args.engines <= 65536
     ):
         raise SystemExit("kvbus sim: --zmq-port range is not valid")
+    if args.zmq_replay_port is not None and (
+        args.zmq_port is None
+        or not (1 <= args.zmq_replay_port and args.zmq_replay_port + args.engines <= 65536)
+    ):
+        raise SystemExit("kvbus sim: --zmq-replay-port needs --zmq-port and a valid range")
     if args.block_size < 1 or args.kv_blocks < 2:
         raise SystemExit("kvbus sim: --block-size >= 1 and --kv-blocks >= 2")
 
@@ -133,10 +150,12 @@ class Fleet:
         name = args.served_model_name or args.model
         for i in range(args.engines):
             zmq_port = None if args.zmq_port is None else args.zmq_port + i
-            bus = BusOptions(url=url, zmq_port=zmq_port, zmq_host=args.host)
+            replay = None if args.zmq_replay_port is None else args.zmq_replay_port + i
+            bus = BusOptions(url, zmq_port, args.host, replay)
             engine = SimEngine(f"{args.source_prefix}{i}", config, timing, bus, name)
             self.engines.append(engine)
-            runner = web.AppRunner(EngineAPI(engine, tokenizer, args.model).app(), access_log=None)
+            api = EngineAPI(engine, tokenizer, args.model, scale_out=args.enable_scale_out)
+            runner = web.AppRunner(api.app(), access_log=None)
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, args.host, args.port + i).start()
