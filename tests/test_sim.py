@@ -478,3 +478,22 @@ async def test_restarts_under_load_fail_only_requests_in_flight_and_the_bus_keep
     ended = [e for e, kinds in epochs.items() if kinds[-1] == "SourceStopped"]
     assert len(ended) == 30 and all(kinds[0] == "SourceStarted" for kinds in epochs.values())
     assert index.blocks(sim.source(0)) == pool_hashes(sim, 0)
+
+
+def test_making_an_engine_config_leaves_vllms_plugins_unloaded(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM loads its plugins once per process. The sim's config must neither run
+    kvbus's (it wires its own publishers) nor use up that once: a real engine started
+    later in the process, with KVBUS_URL, must still get kvbus's publisher."""
+    import vllm.plugins
+    from vllm.distributed.kv_events import EventPublisherFactory
+
+    from kvbus.sim.engine_core import EngineShape, engine_config
+
+    monkeypatch.setenv("KVBUS_URL", "memory://sim-plugins")
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.setitem(EventPublisherFactory._registry, "zmq", "vLLM's own")
+    engine_config(EngineShape(str(model_dir), BLOCKS, BLOCK, 512))
+    assert vllm.plugins.plugins_loaded is False
+    assert EventPublisherFactory._registry["zmq"] == "vLLM's own"

@@ -163,6 +163,15 @@ class SimEngine:
         if stat_logger is not None:
             await loop.run_in_executor(executor, stat_logger.close)
 
+    def flush(self, timeout: float) -> bool:
+        """Block until what the engine published so far reached the bus (from a thread)."""
+        publishers: list[Any] = [
+            p.publisher for p in self._publishers.publishers if isinstance(p, KvbusEventPublisher)
+        ]
+        if self.stat_logger is not None and self.stat_logger.publisher is not None:
+            publishers.append(self.stat_logger.publisher)
+        return all(p.flush(timeout) for p in publishers)
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kvbus-sim-{self.name}")
 

@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import vllm.plugins
 from vllm.config import KVEventsConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
@@ -55,20 +56,29 @@ def engine_config(shape: EngineShape) -> VllmConfig:
     with KV events on (published by the driver, not by a publisher of vLLM's)."""
     if shape.kv_blocks < 2:
         raise ValueError(f"kv_blocks {shape.kv_blocks}: at least 2 (vLLM keeps one aside)")
-    args = EngineArgs(
-        model=shape.model,
-        served_model_name=[shape.served_model_name] if shape.served_model_name else None,
-        load_format="dummy",
-        block_size=shape.block_size,
-        max_model_len=shape.max_model_len,  # type: ignore[arg-type]  # None: the model's
-        max_num_seqs=shape.max_num_seqs,
-        max_num_batched_tokens=shape.max_num_batched_tokens,
-        enable_prefix_caching=True,
-        num_gpu_blocks_override=shape.kv_blocks,
-        enforce_eager=True,
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
-    )
-    config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    # EngineArgs loads vLLM's general plugins, once per process. The sim wires
+    # kvbus's publishers itself, so none of them may run for it, and a process that
+    # starts a real engine later (the tests) must still get them: skip them, then
+    # leave the flag as it was.
+    loaded = vllm.plugins.plugins_loaded
+    vllm.plugins.plugins_loaded = True
+    try:
+        args = EngineArgs(
+            model=shape.model,
+            served_model_name=[shape.served_model_name] if shape.served_model_name else None,
+            load_format="dummy",
+            block_size=shape.block_size,
+            max_model_len=shape.max_model_len,  # type: ignore[arg-type]  # None: the model's
+            max_num_seqs=shape.max_num_seqs,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            enable_prefix_caching=True,
+            num_gpu_blocks_override=shape.kv_blocks,
+            enforce_eager=True,
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        )
+        config = args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    finally:
+        vllm.plugins.plugins_loaded = loaded
     config.cache_config.num_gpu_blocks = shape.kv_blocks
     # vLLM refuses to start an engine whose cache cannot hold one request of the
     # longest length it accepts; so does the sim (such a request would wait for ever).

@@ -22,7 +22,7 @@ import os
 import resource
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from kvbus.sim.timing import DEFAULT_PROFILE, PROFILES, TimingModel, load_profile
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # vLLM, aiohttp, transformers: loaded by `Fleet.start`, not f
     from kvbus.sim.engine import SimEngine
 
 log = logging.getLogger("kvbus.sim")
+CONNECT_WAVE: Final = 32
+"""Engines whose publishers connect at once at start."""
+CONNECT_WITHIN: Final = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +163,20 @@ class Fleet:
             self.runners.append(runner)
             await web.TCPSite(runner, args.host, args.port + i).start()
             engine.start()
+            if len(self.engines) % CONNECT_WAVE == 0:
+                await self._connected(self.engines[-CONNECT_WAVE:])
+        await self._connected(self.engines[-(len(self.engines) % CONNECT_WAVE or 1) :])
+
+    async def _connected(self, engines: list[SimEngine]) -> None:
+        """Wait (up to `CONNECT_WITHIN` s) until ``engines``' publishers have sent their
+        ``SourceStarted``: the next wave connects only then. Two thousand connections
+        opened at once on a busy machine time out and retry for minutes (seen once in
+        five 1,000-engine starts, bench/bench_sim.py); a few dozen at a time do not."""
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(len(engines) or 1) as waiting:
+            await asyncio.gather(
+                *(loop.run_in_executor(waiting, e.flush, CONNECT_WITHIN) for e in engines)
+            )
 
     async def close(self) -> None:
         """Every engine ends its epoch at once: a SIGTERM leaves `kvbus.cli`'s grace
