@@ -445,20 +445,24 @@ def main(argv: list[str] | None = None) -> int:
         "top": _top,
         "sim": _sim,
     }[args.command]
+    if args.command == "sim":
+        # Each engine ends two epochs (kv, metrics) at SIGTERM, a few ms of CPU each:
+        # a thousand engines need seconds, not the 1 s the other commands get.
+        return run_command(run, args, SHUTDOWN_GRACE + args.engines / 100)
     return run_command(run, args)
 
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
-def run_command(command: Command, args: argparse.Namespace) -> int:
+def run_command(command: Command, args: argparse.Namespace, grace: float = SHUTDOWN_GRACE) -> int:
     """``command(args)`` in a new event loop; its exit status.
 
     Ctrl-C cancels it (130). So does SIGTERM (143), which ends the process within
-    `SHUTDOWN_GRACE` seconds whatever the command does with the cancellation (a client
+    ``grace`` seconds whatever the command does with the cancellation (a client
     library can swallow one mid-command, and ``asyncio.run`` then waits for ever); a
     second SIGTERM ends it at once."""
-    termination = _Termination()
+    termination = _Termination(grace)
     with termination.handled():
         try:
             status = asyncio.run(termination.cancels(command(args)))
@@ -473,7 +477,8 @@ def run_command(command: Command, args: argparse.Namespace) -> int:
 class _Termination:
     """SIGTERM as a cancellation of the command, with a deadline."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = SHUTDOWN_GRACE) -> None:
+        self.grace = grace
         self.requested = False
         self._task: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -510,9 +515,9 @@ class _Termination:
             _exit_now("kvbus: second SIGTERM, exiting now")
         self.requested = True
         deadline = threading.Timer(
-            SHUTDOWN_GRACE,
+            self.grace,
             _exit_now,
-            (f"kvbus: not stopped {SHUTDOWN_GRACE:g} s after SIGTERM, exiting now",),
+            (f"kvbus: not stopped {self.grace:g} s after SIGTERM, exiting now",),
         )
         deadline.daemon = True
         deadline.start()

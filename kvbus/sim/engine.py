@@ -159,9 +159,10 @@ class SimEngine:
         self._aborted = []
         publishers, stat_logger = self._publishers, self.stat_logger
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(executor, publishers.shutdown)
-        if stat_logger is not None:
-            await loop.run_in_executor(executor, stat_logger.close)
+        closing = [loop.run_in_executor(executor, publishers.shutdown)]
+        if stat_logger is not None:  # both epochs end together, not one after the other
+            closing.append(loop.run_in_executor(executor, stat_logger.close))
+        await asyncio.gather(*closing)
 
     def flush(self, timeout: float) -> bool:
         """Block until what the engine published so far reached the bus (from a thread)."""

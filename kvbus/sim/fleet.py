@@ -183,7 +183,7 @@ class Fleet:
         (1 s), and one publisher's close takes milliseconds, so hundreds of engines
         closed a few at a time would leave most of them unannounced."""
         await asyncio.gather(*(r.cleanup() for r in self.runners), return_exceptions=True)
-        with ThreadPoolExecutor(min(256, max(1, len(self.engines)))) as closing:
+        with ThreadPoolExecutor(min(512, max(1, 2 * len(self.engines)))) as closing:
             await asyncio.gather(*(e.close(closing) for e in self.engines), return_exceptions=True)
 
 
