@@ -1,14 +1,18 @@
 """The routing policy: the cost of each worker for a request, from the prefix it holds,
 the room in its cache and its load (`CostModel`), and the `Decision` it makes.
 
-Cost of a worker for a request, in blocks of prefill (lowest wins; ties drawn by a
-seeded generator, so the same inputs give the same decisions)::
+Cost of a worker for a request, in blocks of prefill at the fleet's pace (lowest wins;
+ties drawn by a seeded generator, so the same inputs give the same decisions)::
 
-    prefill  * blocks it would compute + queued * blocks queued ahead of them there
+    pace * ( prefill  * blocks it would compute + queued * blocks queued ahead of them there
+           + running  * requests of this router decoding there
+           + waiting  * other requests there (the engine's running + waiting, less this router's)
+           + kv_usage * its KV cache usage (0..1) )
   + eviction * blocks it would newly cache * its excess share of recent insertions
-  + running  * requests of this router decoding there
-  + waiting  * other requests there (the engine's running + waiting, less this router's)
-  + kv_usage * its KV cache usage (0..1)
+
+``pace`` is how long the worker takes to a first token per block ahead, over what the
+fleet takes (`kvbus.routing.pace`: 1 until measured, and on a uniform fleet): a worker
+twice as slow pays its prefill and its queue twice.
 
 The eviction term keeps the fleet's caches working as one. Every block a worker newly
 caches evicts its least recently used one, so a worker that caches more than its share
@@ -103,6 +107,14 @@ class Decision(msgspec.Struct, kw_only=True):
     engine_load: bool = False
     """The worker's load came from its own endpoint (`Router.apply_engine_load`), not
     from the bus: the bus was down or told nothing of it."""
+    pace: float = 1.0
+    """The worker's pace (`kvbus.routing.pace`): its prefill and load terms count this
+    many times (2: it takes twice the fleet's time to a first token)."""
+    routed_at: float = 0.0
+    """When (the router's clock) it was routed."""
+    ahead_blocks: float = 0.0
+    """Blocks of prefill ahead of its first token when routed: its own, those of this
+    router's requests queued there before it, and the one token always computed."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""
@@ -112,6 +124,9 @@ class Decision(msgspec.Struct, kw_only=True):
             f"{self.matched_tokens}) + evicting {self.new_blocks} at excess "
             f"{self.excess:.2f} + load {self.load:.2f}"
         )
+        if self.pace != 1.0:
+            why += f" (prefill and load x pace {self.pace:.2f})"
+
         if self.runner_up is not None:
             why += f"; runner-up {self.runner_up} at {self.runner_up_cost:.2f}"
         return why
@@ -167,13 +182,15 @@ class CostModel:
         w = self.weights
         new = len(keys) - depth
         excess = self._excess(state, eligible, len(load))
-        cost = load + w.prefill * (len(keys) - saved) + w.eviction * new * excess
+        pace = state.pace.of(len(load))
+        cost = pace * (load + w.prefill * (len(keys) - saved)) + w.eviction * new * excess
         best = float(cost.min())
         ties = np.flatnonzero(cost <= best + 1e-9)
         number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
         decision = self._decide(state, number, keys, int(depth[number]), prompt_tokens, best)
         decision.prefill_blocks = float(len(keys) - saved[number])
         decision.excess = float(excess[number])
+        decision.pace = float(pace[number])
         cost[number] = np.inf
         second = int(cost.argmin())
         if np.isfinite(cost[second]):
