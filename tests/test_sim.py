@@ -345,15 +345,61 @@ def test_the_command_documents_its_interface_and_refuses_bad_options(model_dir: 
     shown = subprocess.run([*kvbus_cli, "--help"], capture_output=True, text=True, check=True)
     for option in ("--engines", "--port", "--kv-blocks", "--block-size", "--model",
                    "--served-model-name", "--url", "--source-prefix", "--zmq-port",
-                   "--profile", "--speedup"):  # fmt: skip
+                   "--profile", "--speedup", "--slow"):  # fmt: skip
         assert option in shown.stdout
+    assert "ENGINE=FACTOR" in shown.stdout
     base = ["--port", "9000", "--kv-blocks", "64", "--model", str(model_dir)]
-    for bad in (["--engines", "0"], ["--port", "65535", "--engines", "2"], ["--profile", "nope"]):
+    for bad in (["--engines", "0"], ["--port", "65535", "--engines", "2"], ["--profile", "nope"],
+                ["--engines", "2", "--slow", "2=2"], ["--slow", "0=0"], ["--slow", "0=-1"],
+                ["--slow", "0=inf"], ["--slow", "two"], ["--slow", "-1=2"],
+                ["--engines", "2", "--slow", "1=2", "--slow", "1=3"]):  # fmt: skip
         # Refused before vLLM loads: these take a fraction of a second.
         argv = [*base, *bad] if bad[0] != "--port" else [*bad, "--kv-blocks", "64",
                                                          "--model", str(model_dir)]  # fmt: skip
         failed = subprocess.run([*kvbus_cli, *argv], capture_output=True, text=True, timeout=120)
         assert failed.returncode != 0 and "kvbus sim:" in failed.stderr, failed.stderr
+
+
+async def test_a_slow_engine_takes_factor_times_as_long_for_the_same_requests(
+    model_dir: Path,
+) -> None:
+    """``--slow 1=2``: engine 1 runs the same requests in the same steps as engines 0
+    and 2 (the same scheduler), each step modelled twice as long; its requests take at
+    least that long on the wall clock."""
+    from kvbus.sim.fleet import Fleet
+
+    port = free_port()
+    args = sim_args(model_dir, port, None, engines=3, profile="h100-llama-3.1-8b", slow="1=2")
+    fleet = Fleet(args)
+    await fleet.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            sim = Sim(fleet, session, port)
+            loop = asyncio.get_running_loop()
+            modelled: dict[int, list[float]] = {0: [], 1: [], 2: []}
+            wall: dict[int, list[float]] = {0: [], 1: [], 2: []}
+            other = " ".join(f"w{i}" for i in range(300, 340))
+            prompts = [PREFIX + " w1", PREFIX + " w2 w3", other]  # a miss, a hit, a miss
+            for prompt in prompts:  # one at a time: each engine runs the same steps
+                for engine in (0, 1, 2):
+                    before, started = fleet.engines[engine].step_seconds, loop.time()
+                    await sim.complete(engine, prompt, max_tokens=8)
+                    wall[engine].append(loop.time() - started)
+                    modelled[engine].append(fleet.engines[engine].step_seconds - before)
+            async with session.get(sim.url(1, "/sim/state")) as response:
+                state = await response.json()
+    finally:
+        await fleet.close()
+    assert state["slowdown"] == 2.0 and state["step_seconds"] == pytest.approx(sum(modelled[1]))
+    assert [fleet.engines[i].steps for i in (0, 1, 2)] == [fleet.engines[0].steps] * 3
+    for request in range(len(prompts)):
+        fast = modelled[0][request]
+        assert fast > 0.005  # at least one step's weight read (6.5 ms on this profile)
+        assert modelled[2][request] == pytest.approx(fast)
+        assert modelled[1][request] == pytest.approx(2 * fast)
+        # The wall clock: a step's tokens come out only once its modelled time has passed.
+        assert wall[1][request] >= 0.99 * modelled[1][request]
+    assert sum(wall[1]) / sum(modelled[0]) > 1.5
 
 
 def test_a_cache_too_small_for_one_request_is_refused_as_vllm_refuses_it(model_dir: Path) -> None:

@@ -118,6 +118,9 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
+        self.step_seconds = 0.0
+        """The modelled time of every step run so far (what the profile, ``--speedup`` and
+        ``--slow`` make them; the wall time is at least this)."""
         self._start_core()
 
     # --- lifecycle -----------------------------------------------------------------
@@ -229,6 +232,7 @@ class SimEngine:
                 outputs, stats = self.core.end_step(decision)
                 self._deliver(outputs)
                 self.steps += 1
+                self.step_seconds += seconds
                 if stats is not None:
                     self._record(stats)
                 if not decision.total_num_scheduled_tokens and not outputs:
