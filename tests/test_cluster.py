@@ -224,7 +224,7 @@ async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
     try:
         engine = PacedPublishing(publisher, TOTAL, rate=RATE).start()
         await engine.wait_published(TOTAL // 3)
-        group.link.cut()  # the replicas get nothing more
+        group.cut()  # the replicas get nothing more
         # Until the primary alone has taken appends (0.3 s at RATE, unless the machine
         # is so busy that the publisher sent nothing in that time: then wait on).
         cut_at = publisher.stats.sent

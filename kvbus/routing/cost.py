@@ -71,6 +71,9 @@ class CostWeights(msgspec.Struct, frozen=True, kw_only=True):
     """Per request of this router that is streaming there (decoding): a decode step
     costs the next prefill little."""
     kv_usage: float = 8.0
+    pace: float = 1.0
+    """Exponent on the worker's pace (`kvbus.routing.pace`): 1 charges a worker twice
+    as slow twice; 0 ignores speed."""
 
 
 class Decision(msgspec.Struct, kw_only=True):
@@ -182,7 +185,7 @@ class CostModel:
         w = self.weights
         new = len(keys) - depth
         excess = self._excess(state, eligible, len(load))
-        pace = state.pace.of(len(load))
+        pace = state.pace.of(len(load)) ** w.pace if w.pace else np.ones(len(load))
         cost = pace * (load + w.prefill * (len(keys) - saved)) + w.eviction * new * excess
         best = float(cost.min())
         ties = np.flatnonzero(cost <= best + 1e-9)
