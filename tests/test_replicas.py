@@ -70,9 +70,16 @@ class Replicas:
 
 def test_a_burst_split_across_replicas_lands_together() -> None:
     alone = Replicas(share=False)
+    for router in alone.routers:
+        router.weights = CostWeights(affinity=0)
     first, second = (r.route(PROMPT) for r in alone.routers)
     assert first is not None and second is not None
-    assert first.worker != second.worker  # each replica alone splits the burst
+    assert first.worker != second.worker  # each replica's own tie-break splits the burst
+    # The affinity term breaks the tie alike in both, with nothing shared.
+    alone = Replicas(share=False)
+    first, second = (r.route(PROMPT) for r in alone.routers)
+    assert first is not None and second is not None
+    assert first.worker == second.worker
 
     shared = Replicas()
     one, two = shared.routers
