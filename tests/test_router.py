@@ -326,3 +326,42 @@ def test_a_worker_that_sent_no_event_yet_is_routed_beside_offloaded_blocks() -> 
     r.apply_kv(kv(other, BlockStored([1], None, PROMPT[:B], B, None, "CPU", None)))
     again = r.route(PROMPT)
     assert again is not None and again.worker == first.worker
+
+
+def test_replicas_that_share_nothing_send_a_new_prefix_to_the_same_worker() -> None:
+    """Rendezvous affinity: routers with other seeds, which met the workers in another
+    order (other numbers), pick the same worker for a prefix none holds, and prefixes
+    spread over the workers."""
+    workers = ("w0", "w1", "w2", "w3")
+    replicas, clock = [], Clock()
+    for order, seed in ((workers, 1), (workers[::-1], 7), (workers[1:] + workers[:1], 99)):
+        replica = Router("kv", block_size=B, seed=seed, clock=clock)
+        for worker in order:
+            replica.apply_metrics(load(worker))
+        replicas.append(replica)
+    picks = dict.fromkeys(workers, 0)
+    for i in range(200):
+        prompt = list(range(1000 * i, 1000 * i + 33))
+        decisions = [replica.route(prompt) for replica in replicas]
+        assert all(d is not None for d in decisions)
+        chosen = {d.worker for d in decisions if d is not None}
+        assert len(chosen) == 1, [d.explain() for d in decisions if d is not None]
+        picks[chosen.pop()] += 1
+        for replica, decision in zip(replicas, decisions, strict=True):
+            assert decision is not None
+            replica.finished(decision)
+    assert min(picks.values()) >= 25, picks
+    # The term is a tie-breaker: two blocks held elsewhere outweigh it.
+    r = replicas[0]
+    r.weights = CostWeights(eviction=0)  # (two blocks held by one worker: all its insertions)
+    prompt = list(range(5000, 5033))
+    favourite = r.route(prompt)
+    assert favourite is not None
+    r.finished(favourite)
+    clock.now += r.linger + 0.1  # its blocks, never reported, are forgotten
+    for worker in workers:
+        r.apply_metrics(load(worker))
+    other = next(w for w in workers if w != favourite.worker)
+    r.apply_kv(kv(other, stored([1, 2], prompt[:8])))
+    decision = r.route(prompt)
+    assert decision is not None and decision.worker == other, decision.explain()

@@ -40,6 +40,7 @@ import numpy.typing as npt
 
 from kvbus.logs import LimitedLog, shown
 from kvbus.routing.index import PrefixIndex
+from kvbus.routing.pace import WorkerPace
 from kvbus.wire.events import LoadMetrics
 
 _limited = LimitedLog(logging.getLogger("kvbus.routing.router"))
@@ -118,6 +119,8 @@ class FleetState:
         """(until, worker) of requests of this router that ended less than ``linger``
         ago: the engine's next load record may still count them"""
         self._ended_count: dict[int, int] = {}
+        self.pace = WorkerPace()
+        """each worker's time to first token per block ahead, relative to the fleet's"""
 
     # --- what the engines say --------------------------------------------------------
 
@@ -219,6 +222,7 @@ class FleetState:
             return
         self._grow(number)
         self.fresh[number] = 0.0
+        self.pace.forget(number)  # a restarted engine may run on other hardware
         self.refresh(number)
 
     def mark_down(self, worker: str, seconds: float) -> None:
@@ -277,6 +281,11 @@ class FleetState:
         ]
 
     # --- requests in flight ----------------------------------------------------------
+
+    def queued_blocks(self, number: int) -> float:
+        """Blocks this router's requests not streaming yet still prefill on a worker."""
+        queued = self._queued.get(number)
+        return queued[1] if queued else 0.0
 
     def assign(self, request: Routed) -> None:
         """Count ``request`` on its worker until it finishes: queued for prefill, its

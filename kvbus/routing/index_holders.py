@@ -250,6 +250,10 @@ class _Holders:
     def worker_name(self, number: int) -> str:
         return self._names[number]
 
+    def worker_count(self) -> int:
+        """Workers numbered so far (`worker_number`): numbers ``0..count-1``."""
+        return len(self._names)
+
     def workers(self) -> list[str]:
         return list(self._workers)
 
