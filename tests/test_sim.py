@@ -367,6 +367,43 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
     assert any(isinstance(i, Message) and isinstance(i.body, SourceStopped) for i in items)
 
 
+def test_vllms_zmq_events_carry_a_reset_with_the_next_step_as_vllms_own_do() -> None:
+    """A sim engine's reset goes to the bus at once and to its ``--zmq-port`` publisher
+    (what vllm-router kv_aware reads) at the head of the next step's batch, as vLLM's own
+    publisher sends it: peers in front of the sim see what they see in front of vLLM."""
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+    from vllm.distributed.kv_events import AllBlocksCleared as Cleared
+    from vllm.distributed.kv_events import BlockStored as Stored
+    from vllm.distributed.kv_events import KVEventBatch as Batch
+
+    from kvbus.sim.engine import _Publishers
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.batches: list[Any] = []
+
+        def publish(self, batch: Any) -> None:
+            self.batches.append(batch)
+
+        def shutdown(self) -> None:
+            pass
+
+    bus, zmq_side = KvbusEventPublisher(0, url="memory://sim-zmq-reset"), Recorder()
+    publishers = _Publishers([bus, zmq_side])  # type: ignore[list-item]
+    try:
+        stored = Stored([7], None, list(range(BLOCK)), BLOCK, None, "GPU", None)
+        publishers.publish(Batch(ts=1.0, events=[stored]))
+        publishers.publish_early(Batch(ts=2.0, events=[Cleared()]))
+        publishers.publish(Batch(ts=3.0, events=[stored]))
+        assert bus.publisher.stats.published == 4  # SourceStarted, then the three at once
+        assert [(b.ts, [type(e).__name__ for e in b.events]) for b in zmq_side.batches] == [
+            (1.0, ["BlockStored"]),
+            (3.0, ["AllBlocksCleared", "BlockStored"]),
+        ]
+    finally:
+        publishers.shutdown()
+
+
 # --- the command ------------------------------------------------------------------------------
 
 
