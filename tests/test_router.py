@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 
-from kvbus import BlockRemoved, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
+from kvbus import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Kind,
+    KVEventBatch,
+    LoadMetrics,
+    Message,
+)
 from kvbus.bus.subscription import Resync, ResyncReason
 from kvbus.routing.router import CostWeights, Policy, Router
 from kvbus.wire.events import SourceStopped
@@ -98,6 +106,44 @@ def test_a_burst_follows_the_first_request_before_any_event() -> None:
     clock.now += r.linger + 0.1
     third = r.route(PROMPT)
     assert third is not None and third.matched_tokens == 0
+
+
+@pytest.mark.parametrize("emptied", ["reset", "restart"])
+def test_a_reset_or_a_restart_ends_what_finished_requests_left_assumed(emptied: str) -> None:
+    """A request ended before its engine's events came: its blocks stay assumed there for
+    ``linger`` seconds, unless the engine's cache empties first (an ``AllBlocksCleared``,
+    a new epoch): from then on nothing of them is predicted. A request still in flight
+    keeps its blocks assumed (it caches them after the clear)."""
+    r = router(workers=("a",))  # one worker: every request goes there
+    first = r.route(PROMPT)
+    assert first is not None
+    r.finished(first)
+    lingering = r.route(PROMPT)
+    assert lingering is not None and lingering.worker == first.worker
+    assert lingering.matched_tokens == 32  # assumed, though no event confirmed them
+    other = r.route(list(range(500, 533)))  # in flight on the same worker
+    assert other is not None and other.worker == first.worker
+    r.finished(lingering)
+    if emptied == "reset":
+        r.apply_kv(kv(first.worker, AllBlocksCleared()))
+    else:
+        r.apply_kv(Resync(first.worker, 2, ResyncReason.NEW_EPOCH))
+    after = r.route(PROMPT)  # no time passed: only the clear tells
+    assert after is not None and after.matched_tokens == 0
+    again = r.route(list(range(500, 533)))
+    assert again is not None and again.matched_tokens == 32
+
+
+def test_a_loss_keeps_what_finished_requests_left_assumed() -> None:
+    """Lost events (a gap) empty the index of that worker, not the engine's cache: the
+    blocks a finished request left assumed stay for ``linger``."""
+    r = router()
+    first = r.route(PROMPT)
+    assert first is not None
+    r.finished(first)
+    r.apply_kv(Resync(first.worker, 1, ResyncReason.GAP))
+    after = r.route(PROMPT)
+    assert after is not None and after.worker == first.worker and after.matched_tokens == 32
 
 
 def test_blocks_the_engine_reported_follow_its_events_once_the_request_ends() -> None:

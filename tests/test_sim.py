@@ -24,6 +24,7 @@ from cluster import free_port, make_model
 import kvbus
 from kvbus import AllBlocksCleared, LoadMetrics, Message
 from kvbus.routing.index import PrefixIndex
+from kvbus.sim.timing import Profile, TimingModel
 from kvbus.wire.events import SourceStarted, SourceStopped
 
 from .servers import NatsServer
@@ -294,23 +295,52 @@ async def test_the_bus_rebuilds_each_engines_block_pool_exactly(
     assert any(isinstance(b, LoadMetrics) and b.kv_cache_blocks == BLOCKS for b in load)
 
 
+def indexed(messages: list[Message]) -> PrefixIndex:
+    index = PrefixIndex(BLOCK)
+    for message in messages:
+        index.apply(message)
+    return index
+
+
 async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: NatsServer) -> None:
-    await sim.complete(0, PREFIX)
+    prompt = [*range(100, 180), 9]  # token ids: 5 whole blocks and one more token
+    await sim.complete(0, prompt)
+    flush(sim, 0)
+    before = await read_bus(nats_server.url, sim.source(0))
+    assert indexed(before).match(prompt) == {sim.source(0): 80}
+    steps = sim.fleet.engines[0].steps
     status, _ = await sim.post(0, "/reset_prefix_cache")
     assert status == 200
-    # vLLM publishes the cleared event with the next step's batch (as a real engine does).
-    assert (await sim.complete(0, PREFIX))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # The engine is idle and runs no step, yet its AllBlocksCleared is on the bus at once
+    # (vLLM alone would publish it with the next step's batch), alone in its batch, after
+    # everything published before: an index fed the stream expects nothing cached.
+    flush(sim, 0)  # a bounded wait (10 s) for what the engine published so far
+    kv = await read_bus(nats_server.url, sim.source(0))
+    assert sim.fleet.engines[0].steps == steps
+    assert [m.seq for m in kv] == [m.seq for m in before] + [before[-1].seq + 1]
+    assert isinstance(kv[-1].body, kvbus.KVEventBatch)
+    assert kv[-1].body.events == [AllBlocksCleared()]
+    assert indexed(kv).match(prompt) == {}
+    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) == set()
+    assert (await sim.complete(0, prompt))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # A reset refused (a request holds blocks) clears nothing and publishes no clear.
+    slow = sim.fleet.engines[0].core
+    slow.timing = TimingModel(Profile(overhead=0, weight_read=0.02, prefill=0, decode=0,
+                                      context=0))  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": 50, "stream": True}  # 1 s
+    async with sim.session.post(sim.url(0, "/v1/completions"), json=body) as running:
+        assert (await running.content.readline()).startswith(b"data: ")  # a token: running
+        status, refused = await sim.post(0, "/reset_prefix_cache")
+        rest = (await running.read()).decode()
+    assert status == 500 and "requests hold blocks" in refused["error"]["message"]
+    assert rest.endswith("data: [DONE]\n\n")
     flush(sim, 0)
     kv = await read_bus(nats_server.url, sim.source(0))
-    assert any(
-        isinstance(e, AllBlocksCleared)
-        for m in kv
-        if isinstance(m.body, kvbus.KVEventBatch)
-        for e in m.body.events
-    )
+    cleared = [e for m in kv if isinstance(m.body, kvbus.KVEventBatch) for e in m.body.events
+               if isinstance(e, AllBlocksCleared)]  # fmt: skip
+    assert len(cleared) == 1
+    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) != set()
     # A restart fails the request in flight and starts a new epoch with an empty cache.
-    from kvbus.sim.timing import Profile, TimingModel
-
     slow_steps = Profile(overhead=0, weight_read=0.05, prefill=0, decode=0, context=0)
     sim.fleet.engines[1].core.timing = TimingModel(slow_steps)  # 400 tokens: 20 s
     whole = asyncio.create_task(sim.post(1, "/v1/completions", {"prompt": "w5", "max_tokens": 400}))
@@ -335,6 +365,43 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
     assert len(epochs) == 2
     assert isinstance(items[0], Message) and isinstance(items[0].body, SourceStarted)
     assert any(isinstance(i, Message) and isinstance(i.body, SourceStopped) for i in items)
+
+
+def test_vllms_zmq_events_carry_a_reset_with_the_next_step_as_vllms_own_do() -> None:
+    """A sim engine's reset goes to the bus at once and to its ``--zmq-port`` publisher
+    (what vllm-router kv_aware reads) at the head of the next step's batch, as vLLM's own
+    publisher sends it: peers in front of the sim see what they see in front of vLLM."""
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+    from vllm.distributed.kv_events import AllBlocksCleared as Cleared
+    from vllm.distributed.kv_events import BlockStored as Stored
+    from vllm.distributed.kv_events import KVEventBatch as Batch
+
+    from kvbus.sim.engine import _Publishers
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.batches: list[Any] = []
+
+        def publish(self, batch: Any) -> None:
+            self.batches.append(batch)
+
+        def shutdown(self) -> None:
+            pass
+
+    bus, zmq_side = KvbusEventPublisher(0, url="memory://sim-zmq-reset"), Recorder()
+    publishers = _Publishers([bus, zmq_side])  # type: ignore[list-item]
+    try:
+        stored = Stored([7], None, list(range(BLOCK)), BLOCK, None, "GPU", None)
+        publishers.publish(Batch(ts=1.0, events=[stored]))
+        publishers.publish_early(Batch(ts=2.0, events=[Cleared()]))
+        publishers.publish(Batch(ts=3.0, events=[stored]))
+        assert bus.publisher.stats.published == 4  # SourceStarted, then the three at once
+        assert [(b.ts, [type(e).__name__ for e in b.events]) for b in zmq_side.batches] == [
+            (1.0, ["BlockStored"]),
+            (3.0, ["AllBlocksCleared", "BlockStored"]),
+        ]
+    finally:
+        publishers.shutdown()
 
 
 # --- the command ------------------------------------------------------------------------------

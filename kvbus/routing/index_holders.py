@@ -204,6 +204,9 @@ class _Holders:
         """per worker number: its advertised KV cache blocks (0: not advertised)"""
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
+        self.clears = 0
+        """Times a worker's blocks were forgotten whole (``AllBlocksCleared``, a
+        `Resync`, a new epoch): a feeder compares it around ``apply``."""
         self.malformed = 0
         """Stored events skipped for a block size no engine uses (0, negative, huge) or
         a token id outside 32 bits."""

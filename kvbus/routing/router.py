@@ -150,13 +150,19 @@ class Router:
     # --- feeding ---------------------------------------------------------------------
 
     def apply_kv(self, item: Message | Resync) -> None:
-        """Apply one item of the kv stream (blocks held; restarts and losses clear)."""
+        """Apply one item of the kv stream (blocks held; restarts and losses clear).
+        An engine whose cache emptied (a restart, an ``AllBlocksCleared``) no longer
+        holds what this router's finished requests left assumed there."""
+        clears = self.index.clears
         self.index.apply(item)
         if isinstance(item, Resync):
             if item.reason is ResyncReason.NEW_EPOCH:  # restarted: maybe elsewhere
                 self.state.pace.forget(self.index.worker_number(item.source))
+                self.state.cleared(item.source)
             return
         if item.kind == Kind.KV:  # its body left undecoded: the index read its payload
+            if self.index.clears != clears:  # an AllBlocksCleared
+                self.state.cleared(item.source)
             self.state.count_insertions(item.source)
         elif isinstance(item.body, SourceStopped):
             self.state.stopped(item.source, item.ts)
