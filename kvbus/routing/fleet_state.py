@@ -116,6 +116,8 @@ class FleetState:
         self.pending_masks: dict[int, int] = {}
         """block key -> mask of the workers it is pending on (index-style, for matching)"""
         self._finishing: deque[tuple[float, Routed]] = deque()
+        self._finishing_on: dict[int, int] = {}
+        """worker -> its requests in ``_finishing`` (a clear of a worker with none is O(1))"""
         self._ended: deque[tuple[float, int]] = deque()
         """(until, worker) of requests of this router that ended less than ``linger``
         ago: the engine's next load record may still count them"""
@@ -231,7 +233,9 @@ class FleetState:
         finished requests left assumed there (``linger``) are gone, as its events say.
         Requests still in flight keep theirs: they cache them after the clear."""
         number = self.index.worker_number(worker)
-        if not any(request.number == number for _, request in self._finishing):
+        # A scan of the requests that ended within ``linger``, once per clear that finds
+        # some: a flood of clears from one engine costs O(1) each after the first.
+        if not self._finishing_on.pop(number, 0):
             return
         kept: deque[tuple[float, Routed]] = deque()
         for until, request in self._finishing:
@@ -357,11 +361,17 @@ class FleetState:
         if unconfirmed:
             request.keys = unconfirmed
             self._finishing.append((now + self.linger, request))
+            self._finishing_on[number] = self._finishing_on.get(number, 0) + 1
 
     def expire(self, now: float) -> None:
         """Let go of what ended more than ``linger`` seconds before ``now``."""
         while self._finishing and self._finishing[0][0] <= now:
             _, request = self._finishing.popleft()
+            left = self._finishing_on.get(request.number, 0) - 1
+            if left > 0:
+                self._finishing_on[request.number] = left
+            else:
+                self._finishing_on.pop(request.number, None)
             self._release(request.number, request.keys)
         while self._ended and self._ended[0][0] <= now:
             _, number = self._ended.popleft()
