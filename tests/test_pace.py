@@ -32,6 +32,18 @@ def test_a_uniform_fleet_reads_pace_one_whether_it_was_sent_hits_or_misses() -> 
     assert list(pace.of(2)) == [1.0, 1.0]
 
 
+def test_a_worker_busy_decoding_for_its_popular_prefixes_is_not_read_slow() -> None:
+    pace, noise = WorkerPace(), random.Random(4)
+    for _ in range(200):
+        for worker, busy in ((0, noise.randint(20, 40)), (1, noise.randint(0, 3))):
+            blocks = noise.randint(1, 60)
+            seconds = (0.02 + 0.002 * blocks + 0.004 * busy) * noise.uniform(0.9, 1.1)
+            pace.observe(worker, seconds, blocks, busy)
+    # Worker 0 takes 2-5 times as long per block ahead: its steps also decode 20-40
+    # requests. The fit's busy term accounts for that; it is no slower.
+    assert list(pace.of(2)) == [1.0, 1.0]
+
+
 def test_a_worker_twice_as_slow_reads_about_two_and_the_rest_one() -> None:
     pace, noise = WorkerPace(), random.Random(2)
     for _ in range(300):
@@ -47,13 +59,14 @@ def test_a_pace_needs_samples_and_is_forgotten_on_restart() -> None:
     pace = WorkerPace(min_samples=4, limit=4.0)
     for _ in range(20):
         pace.observe(0, 0.1, 10)
+        pace.observe(2, 0.1, 10)
     for _ in range(3):
         pace.observe(1, 1.0, 10)  # ten times slower, but only three samples
-    assert pace.of(2)[1] == 1.0
-    pace.observe(1, 1.0, 10)
-    assert pace.of(2)[1] == 4.0  # ten times slower, at most limit
+    assert list(pace.of(3)) == [1.0, 1.0, 1.0]
+    pace.observe(1, 1.0, 10)  # the fourth
+    assert list(pace.of(3)) == [1.0, 4.0, 1.0]  # ten times the median, at most limit
     pace.forget(1)
-    assert pace.of(2)[1] == 1.0
+    assert pace.of(3)[1] == 1.0
     # Forged or broken observations are ignored, not folded in.
     pace.observe(0, float("nan"), 10)
     pace.observe(0, -1.0, 10)
@@ -62,21 +75,22 @@ def test_a_pace_needs_samples_and_is_forgotten_on_restart() -> None:
 
 
 def slow_b_router(slowness_b: float) -> tuple[Router, Clock]:
-    """Two workers; 40 sequential requests whose first tokens come at b's ``slowness``."""
+    """Three workers; 60 sequential requests, 20 to each, whose first tokens come at
+    b's ``slowness`` (a and c at 1)."""
     clock, noise = Clock(), random.Random(3)
     r = Router("kv", weights=CostWeights(eviction=0), block_size=B, seed=1, clock=clock)
-    for worker in ("a", "b"):
+    for worker in ("a", "b", "c"):
         r.apply_metrics(load(worker))
-    for i in range(40):
+    for i in range(60):
         prompt = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 4 * B * (1 + i % 5)))
-        decision = r.route(prompt)
+        decision = r.route(prompt, exclude={"a", "b", "c"} - {"abc"[i % 3]})  # each in turn
         assert decision is not None
         slowness = slowness_b if decision.worker == "b" else 1.0
         clock.now += ttft(decision.ahead_blocks, slowness, noise)
         r.started(decision)
         r.finished(decision)
     clock.now += r.linger + 1
-    for worker in ("a", "b"):
+    for worker in ("a", "b", "c"):
         r.apply_metrics(load(worker))
     return r, clock
 
@@ -85,13 +99,14 @@ def test_the_router_sends_new_work_past_a_busy_fast_worker_only_when_the_other_i
     for slowness_b, expected in ((1.0, "b"), (2.0, "a")):
         r, _ = slow_b_router(slowness_b)
         # a has one of this router's requests queued (10 blocks to prefill ahead).
-        queued = r.route(list(range(500, 540)), exclude={"b"})
+        queued = r.route(list(range(500, 540)), exclude={"b", "c"})
         assert queued is not None and queued.worker == "a"
-        decision = r.route(list(range(900, 932)))  # 8 new blocks: a after 10, or b
+        decision = r.route(list(range(900, 932)), exclude={"c"})  # 8 blocks: a after 10, or b
         assert decision is not None and decision.worker == expected, decision.explain()
         if slowness_b == 2.0:
             assert decision.runner_up == "b"
-            assert 1.5 < r.state.pace.of(2)[1] < 2.5
+            assert list(r.state.pace.of(3)[[0, 2]]) == [1.0, 1.0]
+            assert 1.5 < r.state.pace.of(3)[1] < 2.5
             assert "pace" not in decision.explain()  # a's pace is 1
         else:
             assert decision.pace == 1.0
@@ -100,6 +115,6 @@ def test_the_router_sends_new_work_past_a_busy_fast_worker_only_when_the_other_i
 def test_a_restarted_worker_starts_again_at_the_fleets_pace() -> None:
     r, _ = slow_b_router(2.0)
     b = r.index.worker_number("b")
-    assert r.state.pace.of(2)[b] > 1.5
+    assert r.state.pace.of(3)[b] > 1.5
     r.apply_kv(Resync("b", 2, ResyncReason.NEW_EPOCH))
-    assert r.state.pace.of(2)[b] == 1.0
+    assert r.state.pace.of(3)[b] == 1.0

@@ -131,6 +131,9 @@ class Decision(msgspec.Struct, kw_only=True):
     ahead_blocks: float = 0.0
     """Blocks of prefill ahead of its first token when routed: its own, those of this
     router's requests queued there before it, and the one token always computed."""
+    ahead_busy: int = 0
+    """Other requests on the worker when routed, its steps shared with them
+    (`kvbus.routing.fleet_state.FleetState.busy`)."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""

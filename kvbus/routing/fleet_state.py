@@ -270,13 +270,26 @@ class FleetState:
         if metrics is None or self.fresh[number] <= now or self._down_until.get(number, 0.0) > now:
             self.load[number] = np.inf
             return
-        queued, queued_blocks = self._queued.get(number) or (0, 0.0)
+        queued_blocks = self.queued_blocks(number)
         streaming = self._streaming.get(number, 0)
-        ours = int(queued) + streaming + self._ended_count.get(number, 0)
-        others = max(0, metrics.running + metrics.waiting - ours)
         self.load[number] = self._load_cost(
-            queued_blocks, streaming, others, metrics.kv_cache_usage
+            queued_blocks, streaming, self._others(number, metrics), metrics.kv_cache_usage
         )
+
+    def _others(self, number: int, metrics: LoadMetrics) -> int:
+        """Requests on the worker that this router did not send (the engine's count,
+        less this router's: its queued, streaming and just ended ones)."""
+        queued = self._queued.get(number)
+        ours = int(queued[0] if queued else 0) + self._streaming.get(number, 0)
+        ours += self._ended_count.get(number, 0)
+        return max(0, metrics.running + metrics.waiting - ours)
+
+    def busy(self, number: int) -> int:
+        """Requests a new one would share the worker's steps with, besides the prefill
+        queued ahead of it: this router's streaming there and everyone else's."""
+        metrics = self._metrics.get(number)
+        others = self._others(number, metrics) if metrics is not None else 0
+        return self._streaming.get(number, 0) + others
 
     # --- who may get traffic ---------------------------------------------------------
 

@@ -3,22 +3,27 @@ sees it, relative to the fleet.
 
 The cost model counts work in blocks of prefill; an engine on a slower GPU, a busier
 host or a larger model pays more seconds for each. Every request this router sent that
-starts streaming is one observation: the seconds from routing to its first token, and
-the blocks of prefill ahead of that token on its worker (its own uncached blocks plus
-those of this router's requests queued there before it, plus one for the token vLLM
-always computes).
+starts streaming is one observation: the seconds from routing to its first token, the
+blocks of prefill ahead of that token on its worker (its own uncached blocks plus those
+of this router's requests queued there before it, plus one for the token vLLM always
+computes), the prompt's blocks (attention over a cached prefix costs too), and how many
+requests its steps were shared with (this router's streaming there and everyone
+else's: a step that also decodes them takes longer).
 
-One fleet-wide fit, ``seconds = overhead + per_block * blocks`` (least squares over
-exponentially decayed sums), says what an average worker would take for that work; a
-worker's *speed reading* is its observed seconds over that expectation, summed over its
-recent observations (the overhead term keeps short, cache-hit requests from reading
-slow). Its *pace* is its reading over the fastest worker's: a worker twice as slow as
-the rest reads 2 whatever mix of hits and misses it was sent, and the cost model
-multiplies its cost by that.
+One fleet-wide fit, ``seconds = overhead + per_block * blocks + per_prompt_block *
+prompt_blocks + per_busy * busy`` (least squares over exponentially decayed sums), says
+what an average worker would take; a worker's *reading* is its observed seconds over
+the fit's for the same observations (the overhead and prompt terms keep cache-hit
+requests from reading slow; the busy term keeps a worker that holds popular prefixes,
+and so decodes many requests, from reading slow for it). Its *pace* is its reading
+over the median worker's: a worker twice as slow as the rest reads 2 (one twice as
+fast, 0.5), and the cost model multiplies its cost by that. The median, not the
+fastest: on a uniform fleet the fastest reading is the luckiest, and every other
+worker would read slow against it.
 
-Pace is 1 for a worker with fewer than ``min_samples`` observations or within
-``deadband`` of the fastest (noise must not move traffic on a uniform fleet), and at
-most ``limit``. Everything is from the caller's observations: the same observations
+Pace is 1 for a worker with fewer than ``min_samples`` observations or within a factor
+``deadband`` of the median (noise must not move traffic on a uniform fleet), and
+within a factor ``limit``. Everything is from the caller's observations: the same observations
 give the same paces.
 """
 
@@ -30,61 +35,76 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+_TERMS: Final = 4
 HALF_LIFE: Final = 64.0
 """Observations after which one counts half (per worker, and for the fleet-wide fit)."""
 
 
 class WorkerPace:
-    """Each worker's pace (1: as fast as the fastest), from time-to-first-token
+    """Each worker's pace (1: as fast as the median worker), from time-to-first-token
     observations (`observe`)."""
 
     def __init__(
         self,
         half_life: float = HALF_LIFE,
-        min_samples: int = 4,
-        deadband: float = 1.25,
+        min_samples: int = 8,
+        deadband: float = 1.4,
         limit: float = 4.0,
     ) -> None:
         self.min_samples = min_samples
         self.deadband = deadband
         self.limit = limit
         self._decay = 0.5 ** (1.0 / half_life)
-        # Fleet-wide decayed sums for the fit: n, sum b, sum t, sum b*b, sum b*t.
-        self._fit = [0.0, 0.0, 0.0, 0.0, 0.0]
-        # Per worker (by the index's number) decayed sums: observations, blocks, seconds;
-        # and how many observations (a worker's expected seconds are n*overhead +
-        # per_block*blocks under the fit as it is now, not as it was at each one).
-        self._n = np.zeros(16)
-        self._blocks = np.zeros(16)
+        # The fleet-wide fit's decayed normal equations over
+        # x = (1, blocks, prompt_blocks, busy).
+        self._xx = np.zeros((_TERMS, _TERMS))
+        self._xy = np.zeros(_TERMS)
+        # Per worker (by the index's number): decayed sums of x and of seconds (its
+        # expected seconds are those sums times the fit as it is now, not as it was at
+        # each observation), and how many observations.
+        self._x = np.zeros((16, _TERMS))
         self._seconds = np.zeros(16)
         self._count = np.zeros(16)
         self.paces: npt.NDArray[np.float64] = np.ones(16)
         """Each worker's pace, by the index's number (1 where unknown)."""
 
-    def fit(self) -> tuple[float, float]:
-        """The fleet's ``(overhead, per_block)`` seconds to a first token."""
-        n, sb, st, sbb, sbt = self._fit
-        if n <= 0:
-            return 0.0, 0.0
-        spread = n * sbb - sb * sb
-        if spread > 1e-9 * max(1.0, n * sbb):
-            per_block = max(0.0, (n * sbt - sb * st) / spread)
-            return max(0.0, (st - per_block * sb) / n), per_block
-        # Every observation had the same work: no overhead can be told apart.
-        return (0.0, st / sb) if sb > 0 else (st / n, 0.0)
+    def fit(self) -> npt.NDArray[np.float64]:
+        """The fleet's seconds to a first token per (request, block ahead, prompt
+        block, busy request): ``seconds = fit @ (1, blocks, prompt_blocks, busy)``."""
+        xx = self._xx
+        if xx[0, 0] <= 0:
+            return np.zeros(_TERMS)
+        # A little ridge: while every observation had the same blocks or busy count the
+        # equations are singular; the fit then leans on the terms that did vary.
+        ridge = 1e-6 * float(np.trace(xx)) * np.eye(_TERMS)
+        # Not clipped at 0: terms that move together (a new prompt's blocks ahead and
+        # its prompt blocks) may split with one negative, their sum still right; clipping
+        # one would skew every prediction by the mix of work each worker was sent.
+        solved: npt.NDArray[np.float64] = np.asarray(
+            np.linalg.solve(xx + ridge, self._xy), dtype=np.float64
+        )
+        return solved
 
-    def observe(self, number: int, seconds: float, blocks: float) -> None:
+    def observe(
+        self,
+        number: int,
+        seconds: float,
+        blocks: float,
+        busy: float = 0.0,
+        prompt_blocks: float = 0.0,
+    ) -> None:
         """Worker ``number`` reached a request's first token ``seconds`` after it was
-        routed there with ``blocks`` of prefill ahead (its own included)."""
-        if not (math.isfinite(seconds) and math.isfinite(blocks)) or seconds < 0 or blocks < 0:
+        routed there with ``blocks`` of prefill ahead (its own included), ``busy`` other
+        requests on it, for a prompt of ``prompt_blocks``."""
+        values = (seconds, blocks, busy, prompt_blocks)
+        if not all(math.isfinite(v) and 0 <= v < 1e12 for v in values):
             return
+        x = np.array([1.0, blocks, prompt_blocks, busy])
         d = self._decay
-        fit = self._fit
-        for i, value in enumerate((1.0, blocks, seconds, blocks * blocks, blocks * seconds)):
-            fit[i] = fit[i] * d + value
+        self._xx = self._xx * d + np.outer(x, x)
+        self._xy = self._xy * d + x * seconds
         self._grow(number)
-        self._n[number] = self._n[number] * d + 1.0
-        self._blocks[number] = self._blocks[number] * d + blocks
+        self._x[number] = self._x[number] * d + x
         self._seconds[number] = self._seconds[number] * d + seconds
         self._count[number] += 1
         self._update()
@@ -92,38 +112,31 @@ class WorkerPace:
     def forget(self, number: int) -> None:
         """Worker ``number`` restarted or left: what it was is no evidence of what it is."""
         if number < len(self._count) and self._count[number]:
-            for sums in (self._n, self._blocks, self._seconds, self._count):
-                sums[number] = 0.0
+            self._x[number] = 0.0
+            self._seconds[number] = self._count[number] = 0.0
             self._update()
 
     def _grow(self, number: int) -> None:
-        size = len(self._n)
+        size = len(self._count)
         if number < size:
             return
         more = max(number + 1, 2 * size) - size
-        self._n, self._blocks, self._seconds, self._count, self.paces = (
-            np.concatenate([a, np.full(more, fill)])
-            for a, fill in (
-                (self._n, 0.0),
-                (self._blocks, 0.0),
-                (self._seconds, 0.0),
-                (self._count, 0.0),
-                (self.paces, 1.0),
-            )
-        )
+        self._x = np.concatenate([self._x, np.zeros((more, _TERMS))])
+        self._seconds = np.concatenate([self._seconds, np.zeros(more)])
+        self._count = np.concatenate([self._count, np.zeros(more)])
+        self.paces = np.concatenate([self.paces, np.ones(more)])
 
     def _update(self) -> None:
         """Every worker's pace under the fit as it is now (O(workers), vectorised)."""
-        overhead, per_block = self.fit()
-        expected = self._n * overhead + self._blocks * per_block
+        expected = self._x @ self.fit()
         known = (self._count >= self.min_samples) & (expected > 0)
-        paces = np.ones(len(self._n))
+        paces = np.ones(len(self._count))
         if known.any():
             readings = self._seconds[known] / expected[known]
-            fastest = float(readings.min())
-            if fastest > 0:
-                paces[known] = np.minimum(readings / fastest, self.limit)
-        paces[paces <= self.deadband] = 1.0
+            typical = float(np.median(readings))
+            if typical > 0:
+                paces[known] = np.clip(readings / typical, 1.0 / self.limit, self.limit)
+        paces[(paces <= self.deadband) & (paces >= 1.0 / self.deadband)] = 1.0
         self.paces = paces
 
     def of(self, size: int) -> npt.NDArray[np.float64]:

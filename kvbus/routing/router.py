@@ -223,6 +223,7 @@ class Router:
         decision.ahead_blocks = (
             self.state.queued_blocks(decision.number) + decision.prefill_blocks + 1
         )
+        decision.ahead_busy = self.state.busy(decision.number)
         self.state.assign(decision)
         if self.share is not None:
             decision.request = next(self._requests)
@@ -245,7 +246,13 @@ class Router:
             return
         if not decision.peer and decision.ahead_blocks:
             seconds = self._clock() - decision.routed_at
-            self.state.pace.observe(decision.number, seconds, decision.ahead_blocks)
+            self.state.pace.observe(
+                decision.number,
+                seconds,
+                decision.ahead_blocks,
+                decision.ahead_busy,
+                len(decision.keys),
+            )
         self.state.started(decision)
         self._tell(decision, "started")
 
