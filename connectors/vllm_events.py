@@ -24,6 +24,18 @@ the epoch of every engine that could not (`stop_for_engines`, at its exit).
 endpoints of ``--kv-events-config``, for consumers not yet moved to the bus (vLLM's
 router, Dynamo's indexer); the step then also pays that publisher's queue put, which
 blocks when its queue is full, as without kvbus.
+
+A prefix cache reset reaches the bus at once. vLLM's block pool queues its
+``AllBlocksCleared`` and the scheduler publishes the queue only at the end of the
+engine's next step (``Scheduler.update_from_output``): an idle engine that was reset
+(``/reset_prefix_cache``, an RL weight sync, ``pause_generation(clear_cache=True)``)
+stays in every index as holding its old blocks until a request runs. vLLM has no hook
+for this, so `install_reset_publishing` wraps ``Scheduler.reset_prefix_cache`` (on the
+vLLM versions in `RESET_PUBLISHING_VLLM` only; elsewhere nothing changes): after the
+reset, `publish_queued_events` publishes what the queue holds, in one batch, from the
+engine core's own thread. The events and their order are the same; the next step's
+batch just no longer starts with them. vLLM's own ZMQ publisher (``KVBUS_KEEP_ZMQ``)
+still gets them with the next step, as without kvbus.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import asyncio
 import atexit
 import contextlib
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -45,11 +58,13 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 import msgspec
+import vllm
 from kvbus.transports import Entry, Position, Record, Transport, open_transport
 from vllm.distributed.kv_events import (
     EventBatch,
     EventPublisher,
     EventPublisherFactory,
+    KVEventBatch,
     ZmqEventPublisher,
 )
 
@@ -239,6 +254,76 @@ def _stop_for_engines_at_exit(directory: str) -> None:
             asyncio.run(stop_for_engines(pending, resolve_url(None)))
 
 
+RESET_PUBLISHING_VLLM: Final = frozenset({(0, 32)})
+"""vLLM releases (major, minor) whose scheduler was read for `install_reset_publishing`:
+``reset_prefix_cache`` runs on the engine core's busy-loop thread (a utility call, as
+``update_from_output`` does) and queues ``AllBlocksCleared`` on the block pool, which
+``update_from_output`` publishes as ``kv_cache_manager.take_events()`` followed by the
+connector's events."""
+
+
+def publish_queued_events(scheduler: Any) -> int:
+    """Publish now, in one batch, the KV events ``scheduler``'s KV cache manager has
+    queued since the last step published them (a reset's ``AllBlocksCleared``), when the
+    scheduler's publisher is kvbus's (it has ``publish_early``); returns how many.
+
+    Exact: the scheduler publishes the manager's events, then the connector's, in each
+    step's batch; taking the manager's earlier moves no event past another, so a
+    consumer sees the same events in the same order, one batch sooner. Call it only on
+    the thread that steps the scheduler."""
+    early = getattr(getattr(scheduler, "kv_event_publisher", None), "publish_early", None)
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    if early is None or manager is None:
+        return 0
+    events = manager.take_events()
+    if events:
+        early(KVEventBatch(ts=time.time(), events=events))
+    return len(events)
+
+
+def install_reset_publishing(version: str | None = None) -> bool:
+    """Wrap vLLM's ``Scheduler.reset_prefix_cache`` so that, for a scheduler publishing
+    through kvbus, the reset's ``AllBlocksCleared`` is published at once rather than
+    with the next step (see the module's docstring). Idempotent; only on the vLLM
+    releases in `RESET_PUBLISHING_VLLM` (``version``: vLLM's, for tests), elsewhere it
+    changes nothing and returns False. Other schedulers and publishers are untouched."""
+    release = tuple(int(part) for part in (version or vllm.__version__).split(".")[:2]
+                    if part.isdigit())  # fmt: skip
+    if release not in RESET_PUBLISHING_VLLM:
+        log.info(
+            "kvbus: vLLM %s not in the releases read for publishing resets at once: "
+            "resets reach the bus with the engine's next step",
+            version or vllm.__version__,
+        )
+        return False
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    reset = Scheduler.reset_prefix_cache
+    if getattr(reset, "kvbus_publishes_resets", False):
+        return True
+
+    @functools.wraps(reset)
+    def reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        done = reset(self, *args, **kwargs)
+        publish_queued_events(self)
+        return done
+
+    reset_prefix_cache.kvbus_publishes_resets = True  # type: ignore[attr-defined]
+    Scheduler.reset_prefix_cache = reset_prefix_cache  # type: ignore[method-assign]
+    return True
+
+
+def prepend_events(held: list[Any], batch: EventBatch) -> EventBatch:
+    """``batch`` with the events in ``held`` first (and ``held`` emptied): what a
+    publisher that is not kvbus's gets of events published early (`publish_early`),
+    with the next step's batch, as it would without kvbus."""
+    if not held:
+        return batch
+    events = [*held, *batch.events]
+    held.clear()
+    return type(batch)(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank)
+
+
 class KvbusEventPublisher(EventPublisher):
     """vLLM ``EventPublisher`` backed by a `kvbus.Publisher` (URL from ``KVBUS_URL``).
 
@@ -257,7 +342,10 @@ class KvbusEventPublisher(EventPublisher):
         **zmq_options: Any,
     ) -> None:
         super().__init__(data_parallel_rank)
+        install_reset_publishing()
         self.zmq: ZmqEventPublisher | None = None
+        self._zmq_held: list[Any] = []
+        """Events published early, for vLLM's ZMQ publisher's next batch."""
         if os.environ.get("KVBUS_KEEP_ZMQ", "").lower() in ("1", "true", "yes"):
             self.zmq = ZmqEventPublisher(data_parallel_rank, **zmq_options)
         source = source or engine_source(data_parallel_rank)
@@ -286,7 +374,17 @@ class KvbusEventPublisher(EventPublisher):
             events.data_parallel_rank = self._data_parallel_rank
         self.publisher.publish(events, Kind.KV)
         if self.zmq is not None:
-            self.zmq.publish(events)
+            self.zmq.publish(prepend_events(self._zmq_held, events))
+
+    def publish_early(self, events: EventBatch) -> None:
+        """A batch vLLM queued between steps (`publish_queued_events`): on the bus now;
+        vLLM's own ZMQ publisher (``KVBUS_KEEP_ZMQ``) gets its events at the head of the
+        next step's batch, as it would without kvbus."""
+        if events.data_parallel_rank is None:
+            events.data_parallel_rank = self._data_parallel_rank
+        self.publisher.publish(events, Kind.KV)
+        if self.zmq is not None:
+            self._zmq_held.extend(events.events)
 
     def shutdown(self) -> None:
         self.publisher.close()

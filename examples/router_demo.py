@@ -286,8 +286,10 @@ class Cluster:
         )
 
     async def fresh_caches(self) -> None:
-        """Empty every engine's prefix cache; a short request per engine makes it step,
-        so its AllBlocksCleared reaches the bus before the next router starts."""
+        """Empty every engine's prefix cache, all engines at once. Its AllBlocksCleared is
+        on the bus at once (kvbus's plugin); a short request per engine makes it step, so
+        vLLM's own ZMQ events (vllm-router kv_aware) carry it too before the next router
+        starts."""
 
         async def fresh(server: VllmServer | SimEngine) -> None:
             await asyncio.to_thread(server.reset_prefix_cache)

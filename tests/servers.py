@@ -21,6 +21,7 @@ __all__ = [
     "RedisSentinel",
     "RedisServer",
     "RedisWithSentinel",
+    "ReplicatedRedis",
     "Server",
     "free_port",
 ]
@@ -138,7 +139,22 @@ class RedisServer(Server):
         return f"redis://127.0.0.1:{self.port}"
 
 
-class RedisReplica(RedisServer):
+class ReplicatedRedis(RedisServer):
+    """A redis-server whose replication runs as ACL user ``repl`` (as replica and as
+    primary), so that a test can cut its replicas off: `RedisWithSentinel.cut`."""
+
+    def command(self) -> list[str]:
+        return [
+            *super().command(),
+            *("--user", "repl", "on", ">kvbus-repl", "+psync", "+replconf", "+ping"),
+            "--masteruser",
+            "repl",
+            "--masterauth",
+            "kvbus-repl",
+        ]
+
+
+class RedisReplica(ReplicatedRedis):
     """A redis-server replicating the primary on ``primary_port``."""
 
     name = "redis-replica"
@@ -182,17 +198,18 @@ class RedisSentinel(Server):
 
 class RedisWithSentinel:
     """A primary, two replicas and a Sentinel; ``url`` is the ``redis+sentinel://`` one.
-    The replicas reach the primary through ``link``, a proxy a test can cut to keep
-    appends from being replicated. After a failover the Sentinel points the replica it
-    did not promote at the new primary (directly), so ``wait=1`` appends go on."""
+    `cut` keeps appends from being replicated (the replicas' ACL user is disabled on the
+    primary; a proxy in between would not do: the Sentinel repoints replicas that name
+    another address than the primary's at the primary itself). After a failover the
+    Sentinel points the replica it did not promote at the new primary, so ``wait=1``
+    appends go on."""
 
     def __init__(self, root: Path) -> None:
         dirs = [root / name for name in ("primary", "replica1", "replica2", "sentinel")]
         for directory in dirs:
             directory.mkdir(parents=True, exist_ok=True)
-        self.primary = RedisServer(dirs[0])
-        self.link = CuttableProxy(self.primary.port)
-        self.replicas = [RedisReplica(d, self.link.port) for d in dirs[1:3]]
+        self.primary = ReplicatedRedis(dirs[0])
+        self.replicas = [RedisReplica(d, self.primary.port) for d in dirs[1:3]]
         self.sentinel = RedisSentinel(dirs[3], self.primary)
 
     def url(self, **options: object) -> str:
@@ -203,8 +220,13 @@ class RedisWithSentinel:
 
     async def start(self) -> None:
         """All of them, until the replicas are in sync and the Sentinel knows them."""
-        await self.link.start()
         await asyncio.to_thread(self._start)
+
+    def cut(self) -> None:
+        """The replicas get nothing more from the primary (until it restarts)."""
+        with redis.Redis(port=self.primary.port) as primary:
+            primary.execute_command("ACL", "SETUSER", "repl", "off")
+            primary.execute_command("CLIENT", "KILL", "USER", "repl")
 
     def _start(self) -> None:
         for server in (self.primary, *self.replicas, self.sentinel):
@@ -222,7 +244,6 @@ class RedisWithSentinel:
     async def stop(self) -> None:
         for server in (self.sentinel, *self.replicas, self.primary):
             await asyncio.to_thread(server.stop)
-        await self.link.close()
 
 
 class CuttableProxy:

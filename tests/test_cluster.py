@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import nats
 import pytest
+import redis
 
 import kvbus
 from kvbus import Message, Resync
@@ -119,6 +120,18 @@ class Follower:
             if isinstance(item, Message) and item.seq >= last:
                 return
 
+    async def finish(self, publisher: kvbus.Publisher, within: float = 60) -> None:
+        """Wait for the last seq; if it never comes, fail saying how far it got."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), within)
+        except TimeoutError:
+            got = [item.seq for item in self.items if isinstance(item, Message)]
+            raise AssertionError(
+                f"the follower stopped at seq {got[-1] if got else None} of {len(got)} "
+                f"messages and {len(self.items) - len(got)} resyncs; publisher {publisher.stats}; "
+                f"subscription {self.sub.stats}; cursor {self.sub.cursor}"
+            ) from None
+
     def first_published_after(self, wall_time: float) -> float:
         """When (``time.monotonic()``) the first message published at or after
         ``wall_time`` arrived."""
@@ -155,7 +168,7 @@ async def ride_through_a_kill(
         await asyncio.to_thread(leader.start)
         await engine.join()
         await publisher.aclose()
-        await asyncio.wait_for(follower.task, 60)
+        await follower.finish(publisher)
         figures = Failover(
             await led,
             follower.first_published_after(killed_wall) - killed,
@@ -199,8 +212,9 @@ async def redis_group(tmp_path: Path) -> AsyncIterator[RedisWithSentinel]:
 
 async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
     """Publish ``TOTAL`` messages at ``RATE`` through ``group``'s Sentinel URL (with
-    ``wait``), follow them, cut the replicas off for 0.3 s and SIGKILL the primary, wait
-    for the Sentinel to promote a replica, restart the old primary on its store. Asserts
+    ``wait``), follow them, cut the replicas off (0.3 s, or until the primary alone
+    took 20 appends) and SIGKILL the primary, wait for the Sentinel to promote a
+    replica, restart the old primary on its store. Asserts
     nothing was dropped and every seq was delivered once, in order, or announced lost,
     to the follower and to a reader of the whole history afterwards; with ``wait``, that
     none was lost."""
@@ -210,8 +224,15 @@ async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
     try:
         engine = PacedPublishing(publisher, TOTAL, rate=RATE).start()
         await engine.wait_published(TOTAL // 3)
-        group.link.cut()  # the replicas get nothing more
+        group.cut()  # the replicas get nothing more
+        # Until the primary alone has taken appends (0.3 s at RATE, unless the machine
+        # is so busy that the publisher sent nothing in that time: then wait on).
+        cut_at = publisher.stats.sent
         await asyncio.sleep(0.3)
+        for _ in range(0 if wait else 500):  # with wait, nothing is acknowledged now
+            if publisher.stats.sent >= cut_at + 20:
+                break
+            await asyncio.sleep(0.01)
         group.primary.kill()
         killed, killed_wall = time.monotonic(), time.time()
         await asyncio.to_thread(
@@ -225,7 +246,11 @@ async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
         # machine; close() would then drop what is still queued.
         assert await publisher.aflush(60), "appends still unsent 60 s after the failover"
         await publisher.aclose()
-        await asyncio.wait_for(follower.task, 60)
+        try:
+            await follower.finish(publisher)
+        except AssertionError as error:
+            log = (group.sentinel.data_dir / "redis-sentinel.log").read_text()
+            raise AssertionError(f"{error}; servers: {redis_states(group)}; {log}") from None
         late, _ = await collect(url, stream="failover")
         figures = Failover(
             promoted,
@@ -237,11 +262,17 @@ async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
         )
         assert all(engine.accepted) and publisher.stats.dropped == 0
         every = set(range(1, TOTAL + 3))
-        for items in (follower.items, late):
+        for reader, items in (("follower", follower.items), ("history", late)):
             delivered = seqs(items)
-            assert delivered == sorted(set(delivered))  # in order, each once
-            assert set(delivered) | lost_seqs(items) == every  # the rest announced
-            assert not set(delivered) & lost_seqs(items)
+            assert delivered == sorted(set(delivered)), reader  # in order, each once
+            unannounced = every - set(delivered) - lost_seqs(items)
+            assert not unannounced, (  # the rest announced
+                f"{reader}: {len(unannounced)} seqs neither delivered nor announced lost, "
+                f"{min(unannounced)}..{max(unannounced)}; resyncs "
+                f"{[i for i in items if isinstance(i, Resync)]}; servers {redis_states(group)}"
+                f"; sentinel: {(group.sentinel.data_dir / 'redis-sentinel.log').read_text()}"
+            )
+            assert not set(delivered) & lost_seqs(items), reader
         if wait:
             assert seqs(late) == seqs(follower.items) == sorted(every)
             assert not [i for i in [*late, *follower.items] if isinstance(i, Resync)]
@@ -250,6 +281,23 @@ async def redis_failover(group: RedisWithSentinel, wait: int) -> Failover:
         follower.task.cancel()
         await follower.sub.aclose()
         await publisher.aclose()
+
+
+def redis_states(group: RedisWithSentinel) -> list[str]:
+    """Each server's role and the failover stream's last entry (for a failure's message)."""
+    try:
+        states = [f"the Sentinel names {group.primary_port()}"]
+    except redis.RedisError as error:
+        states = [f"the Sentinel: {error!r}"]
+    for server in (group.primary, *group.replicas):
+        try:
+            with redis.Redis(port=server.port, socket_timeout=2) as client:
+                role = client.execute_command("ROLE")[0]
+                last = client.xrevrange("kvbus:failover", count=1)
+                states.append(f"{server.port} {role!r} {client.xlen('kvbus:failover')} {last[:1]}")
+        except redis.RedisError as error:
+            states.append(f"{server.port} {error!r}")
+    return states
 
 
 async def test_redis_primary_killed_without_wait(redis_group: RedisWithSentinel) -> None:

@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 
-from kvbus import BlockRemoved, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
+from kvbus import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Kind,
+    KVEventBatch,
+    LoadMetrics,
+    Message,
+)
 from kvbus.bus.subscription import Resync, ResyncReason
 from kvbus.routing.router import CostWeights, Policy, Router
 from kvbus.wire.events import SourceStopped
@@ -98,6 +106,44 @@ def test_a_burst_follows_the_first_request_before_any_event() -> None:
     clock.now += r.linger + 0.1
     third = r.route(PROMPT)
     assert third is not None and third.matched_tokens == 0
+
+
+@pytest.mark.parametrize("emptied", ["reset", "restart"])
+def test_a_reset_or_a_restart_ends_what_finished_requests_left_assumed(emptied: str) -> None:
+    """A request ended before its engine's events came: its blocks stay assumed there for
+    ``linger`` seconds, unless the engine's cache empties first (an ``AllBlocksCleared``,
+    a new epoch): from then on nothing of them is predicted. A request still in flight
+    keeps its blocks assumed (it caches them after the clear)."""
+    r = router(workers=("a",))  # one worker: every request goes there
+    first = r.route(PROMPT)
+    assert first is not None
+    r.finished(first)
+    lingering = r.route(PROMPT)
+    assert lingering is not None and lingering.worker == first.worker
+    assert lingering.matched_tokens == 32  # assumed, though no event confirmed them
+    other = r.route(list(range(500, 533)))  # in flight on the same worker
+    assert other is not None and other.worker == first.worker
+    r.finished(lingering)
+    if emptied == "reset":
+        r.apply_kv(kv(first.worker, AllBlocksCleared()))
+    else:
+        r.apply_kv(Resync(first.worker, 2, ResyncReason.NEW_EPOCH))
+    after = r.route(PROMPT)  # no time passed: only the clear tells
+    assert after is not None and after.matched_tokens == 0
+    again = r.route(list(range(500, 533)))
+    assert again is not None and again.matched_tokens == 32
+
+
+def test_a_loss_keeps_what_finished_requests_left_assumed() -> None:
+    """Lost events (a gap) empty the index of that worker, not the engine's cache: the
+    blocks a finished request left assumed stay for ``linger``."""
+    r = router()
+    first = r.route(PROMPT)
+    assert first is not None
+    r.finished(first)
+    r.apply_kv(Resync(first.worker, 1, ResyncReason.GAP))
+    after = r.route(PROMPT)
+    assert after is not None and after.worker == first.worker and after.matched_tokens == 32
 
 
 def test_blocks_the_engine_reported_follow_its_events_once_the_request_ends() -> None:
@@ -326,3 +372,42 @@ def test_a_worker_that_sent_no_event_yet_is_routed_beside_offloaded_blocks() -> 
     r.apply_kv(kv(other, BlockStored([1], None, PROMPT[:B], B, None, "CPU", None)))
     again = r.route(PROMPT)
     assert again is not None and again.worker == first.worker
+
+
+def test_replicas_that_share_nothing_send_a_new_prefix_to_the_same_worker() -> None:
+    """Rendezvous affinity: routers with other seeds, which met the workers in another
+    order (other numbers), pick the same worker for a prefix none holds, and prefixes
+    spread over the workers."""
+    workers = ("w0", "w1", "w2", "w3")
+    replicas, clock = [], Clock()
+    for order, seed in ((workers, 1), (workers[::-1], 7), (workers[1:] + workers[:1], 99)):
+        replica = Router("kv", block_size=B, seed=seed, clock=clock)
+        for worker in order:
+            replica.apply_metrics(load(worker))
+        replicas.append(replica)
+    picks = dict.fromkeys(workers, 0)
+    for i in range(200):
+        prompt = list(range(1000 * i, 1000 * i + 33))
+        decisions = [replica.route(prompt) for replica in replicas]
+        assert all(d is not None for d in decisions)
+        chosen = {d.worker for d in decisions if d is not None}
+        assert len(chosen) == 1, [d.explain() for d in decisions if d is not None]
+        picks[chosen.pop()] += 1
+        for replica, decision in zip(replicas, decisions, strict=True):
+            assert decision is not None
+            replica.finished(decision)
+    assert min(picks.values()) >= 25, picks
+    # The term is a tie-breaker: two blocks held elsewhere outweigh it.
+    r = replicas[0]
+    r.weights = CostWeights(eviction=0)  # (two blocks held by one worker: all its insertions)
+    prompt = list(range(5000, 5033))
+    favourite = r.route(prompt)
+    assert favourite is not None
+    r.finished(favourite)
+    clock.now += r.linger + 0.1  # its blocks, never reported, are forgotten
+    for worker in workers:
+        r.apply_metrics(load(worker))
+    other = next(w for w in workers if w != favourite.worker)
+    r.apply_kv(kv(other, stored([1, 2], prompt[:8])))
+    decision = r.route(prompt)
+    assert decision is not None and decision.worker == other, decision.explain()

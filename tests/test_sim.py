@@ -24,6 +24,7 @@ from cluster import free_port, make_model
 import kvbus
 from kvbus import AllBlocksCleared, LoadMetrics, Message
 from kvbus.routing.index import PrefixIndex
+from kvbus.sim.timing import Profile, TimingModel
 from kvbus.wire.events import SourceStarted, SourceStopped
 
 from .servers import NatsServer
@@ -294,23 +295,52 @@ async def test_the_bus_rebuilds_each_engines_block_pool_exactly(
     assert any(isinstance(b, LoadMetrics) and b.kv_cache_blocks == BLOCKS for b in load)
 
 
+def indexed(messages: list[Message]) -> PrefixIndex:
+    index = PrefixIndex(BLOCK)
+    for message in messages:
+        index.apply(message)
+    return index
+
+
 async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: NatsServer) -> None:
-    await sim.complete(0, PREFIX)
+    prompt = [*range(100, 180), 9]  # token ids: 5 whole blocks and one more token
+    await sim.complete(0, prompt)
+    flush(sim, 0)
+    before = await read_bus(nats_server.url, sim.source(0))
+    assert indexed(before).match(prompt) == {sim.source(0): 80}
+    steps = sim.fleet.engines[0].steps
     status, _ = await sim.post(0, "/reset_prefix_cache")
     assert status == 200
-    # vLLM publishes the cleared event with the next step's batch (as a real engine does).
-    assert (await sim.complete(0, PREFIX))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # The engine is idle and runs no step, yet its AllBlocksCleared is on the bus at once
+    # (vLLM alone would publish it with the next step's batch), alone in its batch, after
+    # everything published before: an index fed the stream expects nothing cached.
+    flush(sim, 0)  # a bounded wait (10 s) for what the engine published so far
+    kv = await read_bus(nats_server.url, sim.source(0))
+    assert sim.fleet.engines[0].steps == steps
+    assert [m.seq for m in kv] == [m.seq for m in before] + [before[-1].seq + 1]
+    assert isinstance(kv[-1].body, kvbus.KVEventBatch)
+    assert kv[-1].body.events == [AllBlocksCleared()]
+    assert indexed(kv).match(prompt) == {}
+    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) == set()
+    assert (await sim.complete(0, prompt))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # A reset refused (a request holds blocks) clears nothing and publishes no clear.
+    slow = sim.fleet.engines[0].core
+    slow.timing = TimingModel(Profile(overhead=0, weight_read=0.02, prefill=0, decode=0,
+                                      context=0))  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": 50, "stream": True}  # 1 s
+    async with sim.session.post(sim.url(0, "/v1/completions"), json=body) as running:
+        assert (await running.content.readline()).startswith(b"data: ")  # a token: running
+        status, refused = await sim.post(0, "/reset_prefix_cache")
+        rest = (await running.read()).decode()
+    assert status == 500 and "requests hold blocks" in refused["error"]["message"]
+    assert rest.endswith("data: [DONE]\n\n")
     flush(sim, 0)
     kv = await read_bus(nats_server.url, sim.source(0))
-    assert any(
-        isinstance(e, AllBlocksCleared)
-        for m in kv
-        if isinstance(m.body, kvbus.KVEventBatch)
-        for e in m.body.events
-    )
+    cleared = [e for m in kv if isinstance(m.body, kvbus.KVEventBatch) for e in m.body.events
+               if isinstance(e, AllBlocksCleared)]  # fmt: skip
+    assert len(cleared) == 1
+    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) != set()
     # A restart fails the request in flight and starts a new epoch with an empty cache.
-    from kvbus.sim.timing import Profile, TimingModel
-
     slow_steps = Profile(overhead=0, weight_read=0.05, prefill=0, decode=0, context=0)
     sim.fleet.engines[1].core.timing = TimingModel(slow_steps)  # 400 tokens: 20 s
     whole = asyncio.create_task(sim.post(1, "/v1/completions", {"prompt": "w5", "max_tokens": 400}))
@@ -337,6 +367,43 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
     assert any(isinstance(i, Message) and isinstance(i.body, SourceStopped) for i in items)
 
 
+def test_vllms_zmq_events_carry_a_reset_with_the_next_step_as_vllms_own_do() -> None:
+    """A sim engine's reset goes to the bus at once and to its ``--zmq-port`` publisher
+    (what vllm-router kv_aware reads) at the head of the next step's batch, as vLLM's own
+    publisher sends it: peers in front of the sim see what they see in front of vLLM."""
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+    from vllm.distributed.kv_events import AllBlocksCleared as Cleared
+    from vllm.distributed.kv_events import BlockStored as Stored
+    from vllm.distributed.kv_events import KVEventBatch as Batch
+
+    from kvbus.sim.engine import _Publishers
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.batches: list[Any] = []
+
+        def publish(self, batch: Any) -> None:
+            self.batches.append(batch)
+
+        def shutdown(self) -> None:
+            pass
+
+    bus, zmq_side = KvbusEventPublisher(0, url="memory://sim-zmq-reset"), Recorder()
+    publishers = _Publishers([bus, zmq_side])  # type: ignore[list-item]
+    try:
+        stored = Stored([7], None, list(range(BLOCK)), BLOCK, None, "GPU", None)
+        publishers.publish(Batch(ts=1.0, events=[stored]))
+        publishers.publish_early(Batch(ts=2.0, events=[Cleared()]))
+        publishers.publish(Batch(ts=3.0, events=[stored]))
+        assert bus.publisher.stats.published == 4  # SourceStarted, then the three at once
+        assert [(b.ts, [type(e).__name__ for e in b.events]) for b in zmq_side.batches] == [
+            (1.0, ["BlockStored"]),
+            (3.0, ["AllBlocksCleared", "BlockStored"]),
+        ]
+    finally:
+        publishers.shutdown()
+
+
 # --- the command ------------------------------------------------------------------------------
 
 
@@ -345,15 +412,61 @@ def test_the_command_documents_its_interface_and_refuses_bad_options(model_dir: 
     shown = subprocess.run([*kvbus_cli, "--help"], capture_output=True, text=True, check=True)
     for option in ("--engines", "--port", "--kv-blocks", "--block-size", "--model",
                    "--served-model-name", "--url", "--source-prefix", "--zmq-port",
-                   "--profile", "--speedup"):  # fmt: skip
+                   "--profile", "--speedup", "--slow"):  # fmt: skip
         assert option in shown.stdout
+    assert "ENGINE=FACTOR" in shown.stdout
     base = ["--port", "9000", "--kv-blocks", "64", "--model", str(model_dir)]
-    for bad in (["--engines", "0"], ["--port", "65535", "--engines", "2"], ["--profile", "nope"]):
+    for bad in (["--engines", "0"], ["--port", "65535", "--engines", "2"], ["--profile", "nope"],
+                ["--engines", "2", "--slow", "2=2"], ["--slow", "0=0"], ["--slow", "0=-1"],
+                ["--slow", "0=inf"], ["--slow", "two"], ["--slow", "-1=2"],
+                ["--engines", "2", "--slow", "1=2", "--slow", "1=3"]):  # fmt: skip
         # Refused before vLLM loads: these take a fraction of a second.
         argv = [*base, *bad] if bad[0] != "--port" else [*bad, "--kv-blocks", "64",
                                                          "--model", str(model_dir)]  # fmt: skip
         failed = subprocess.run([*kvbus_cli, *argv], capture_output=True, text=True, timeout=120)
         assert failed.returncode != 0 and "kvbus sim:" in failed.stderr, failed.stderr
+
+
+async def test_a_slow_engine_takes_factor_times_as_long_for_the_same_requests(
+    model_dir: Path,
+) -> None:
+    """``--slow 1=2``: engine 1 runs the same requests in the same steps as engines 0
+    and 2 (the same scheduler), each step modelled twice as long; its requests take at
+    least that long on the wall clock."""
+    from kvbus.sim.fleet import Fleet
+
+    port = free_port()
+    args = sim_args(model_dir, port, None, engines=3, profile="h100-llama-3.1-8b", slow="1=2")
+    fleet = Fleet(args)
+    await fleet.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            sim = Sim(fleet, session, port)
+            loop = asyncio.get_running_loop()
+            modelled: dict[int, list[float]] = {0: [], 1: [], 2: []}
+            wall: dict[int, list[float]] = {0: [], 1: [], 2: []}
+            other = " ".join(f"w{i}" for i in range(300, 340))
+            prompts = [PREFIX + " w1", PREFIX + " w2 w3", other]  # a miss, a hit, a miss
+            for prompt in prompts:  # one at a time: each engine runs the same steps
+                for engine in (0, 1, 2):
+                    before, started = fleet.engines[engine].step_seconds, loop.time()
+                    await sim.complete(engine, prompt, max_tokens=8)
+                    wall[engine].append(loop.time() - started)
+                    modelled[engine].append(fleet.engines[engine].step_seconds - before)
+            async with session.get(sim.url(1, "/sim/state")) as response:
+                state = await response.json()
+    finally:
+        await fleet.close()
+    assert state["slowdown"] == 2.0 and state["step_seconds"] == pytest.approx(sum(modelled[1]))
+    assert [fleet.engines[i].steps for i in (0, 1, 2)] == [fleet.engines[0].steps] * 3
+    for request in range(len(prompts)):
+        fast = modelled[0][request]
+        assert fast > 0.005  # at least one step's weight read (6.5 ms on this profile)
+        assert modelled[2][request] == pytest.approx(fast)
+        assert modelled[1][request] == pytest.approx(2 * fast)
+        # The wall clock: a step's tokens come out only once its modelled time has passed.
+        assert wall[1][request] >= 0.99 * modelled[1][request]
+    assert sum(wall[1]) / sum(modelled[0]) > 1.5
 
 
 def test_a_cache_too_small_for_one_request_is_refused_as_vllm_refuses_it(model_dir: Path) -> None:

@@ -29,6 +29,7 @@ from vllm.v1.core import kv_cache_utils
 
 import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, Message
+from kvbus.routing.index import PrefixIndex
 
 from .servers import NatsServer
 
@@ -149,7 +150,7 @@ def chat_bodies(model: str) -> list[dict[str, Any]]:
     ]
 
 
-async def run_on_both(engines: Engines) -> tuple[list[list[int]], list[dict[str, Any]]]:
+async def run_on_both(engines: Engines, url: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
     """The workload on each server in turn, request by request: the prompts and, per
     request, (real usage, sim usage)."""
     prompts: list[list[int]] = []
@@ -180,28 +181,59 @@ async def run_on_both(engines: Engines) -> tuple[list[list[int]], list[dict[str,
             for base in (engines.real, engines.sim)
         ]
         usages.append({"kind": "chat", "real": replies[0]["usage"], "sim": replies[1]["usage"]})
-    # The end marker: a reset, then one request of one full block. Its batch (the
-    # reset's AllBlocksCleared and one BlockStored) is each source's last.
+    # The end marker: a reset of both engines, idle. Each one's AllBlocksCleared is on
+    # the bus at once, with no request sent (vLLM alone publishes it with the engine's
+    # next step; kvbus's plugin, and the sim, at once): an index fed the stream stops
+    # predicting the prefix the engine held.
+    last = prompts[-1]
     for base in (engines.real, engines.sim):
         await asyncio.to_thread(post, f"{base}/reset_prefix_cache")
+    for source in (REAL, SIM):
+        messages = await read_messages(url, source, resets=2)  # waits 10 s at most
+        assert events_of(messages[-1]) == [AllBlocksCleared()], source  # alone, last
+        before, after = PrefixIndex(BLOCK), PrefixIndex(BLOCK)
+        for message in messages[:-1]:
+            before.apply(message)
+            after.apply(message)
+        after.apply(messages[-1])
+        assert before.match(last).get(source, 0) > 0, source
+        assert after.match(last) == {}, source
+    # Then one request of one full block: each source's last batch.
+    for base in (engines.real, engines.sim):
         body = {"model": engines.model, "prompt": words([5] * 40), "max_tokens": 1}
         await asyncio.to_thread(post, f"{base}/v1/completions", body)
     return prompts, usages
 
 
-async def read_batches(url: str, source: str, resets: int) -> list[KVEventBatch]:
-    """``source``'s KV event batches, once its last (the ``resets``-th clear) is there."""
-    batches: list[KVEventBatch] = []
+def events_of(message: Message) -> list[Any]:
+    return list(message.body.events) if isinstance(message.body, KVEventBatch) else []
+
+
+async def read_messages(
+    url: str, source: str, resets: int, stored_after: bool = False
+) -> list[Message]:
+    """``source``'s kv messages, once its ``resets``-th clear is there (and, with
+    ``stored_after``, a block stored after it); waits 10 s at most."""
+    messages: list[Message] = []
     for _ in range(100):
         sub = kvbus.subscribe("kv", url, follow=False, sources=[source])
-        items = [i async for i in sub if isinstance(i, Message)]
+        messages = [i async for i in sub if isinstance(i, Message)]
         await sub.aclose()
-        batches = [m.body for m in items if isinstance(m.body, KVEventBatch)]
-        cleared = sum(isinstance(e, AllBlocksCleared) for b in batches for e in b.events)
-        if cleared >= resets:
-            return batches
+        events = [e for m in messages for e in events_of(m)]
+        clears = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+        if len(clears) >= resets and (
+            not stored_after or any(isinstance(e, BlockStored) for e in events[clears[-1] :])
+        ):
+            return messages
         await asyncio.sleep(0.1)  # the publishers send from their own threads
-    raise AssertionError(f"{source}: {resets} resets not all on the bus: {len(batches)} batches")
+    raise AssertionError(f"{source}: {resets} resets not all on the bus: {len(messages)} messages")
+
+
+async def read_batches(url: str, source: str, resets: int) -> list[KVEventBatch]:
+    """``source``'s KV event batches, once its last (a block stored after the
+    ``resets``-th clear) is there."""
+    messages = await read_messages(url, source, resets, stored_after=True)
+    return [m.body for m in messages if isinstance(m.body, KVEventBatch)]
 
 
 def cached(usage: dict[str, Any]) -> int:
@@ -246,7 +278,7 @@ def reusable(prompt: list[int], earlier: list[list[int]]) -> int:
 async def test_sim_reports_what_a_real_engine_reports(
     engines: Engines, nats_server: NatsServer
 ) -> None:
-    prompts, usages = await run_on_both(engines)
+    prompts, usages = await run_on_both(engines, nats_server.url)
 
     # Per request: the same prompt length and the same cached tokens.
     real = [(u["real"]["prompt_tokens"], cached(u["real"])) for u in usages]

@@ -105,14 +105,13 @@ def test_health_shows_the_sim_engines_alive_from_their_load_records(
     assert health["engine_load"] == [] and health["routing"] == "full"
 
 
-def test_requests_sharing_a_prefix_land_on_one_engine_cached_then_a_restart_is_seen(
+def test_requests_sharing_a_prefix_land_on_one_engine_cached_then_a_restart_and_a_reset_are_seen(
     fleet: SimFleet, router: RouterProcess
 ) -> None:
-    # Empty caches, whatever ran before: a request shorter than a block makes each
-    # engine step, which sends its AllBlocksCleared.
+    # Empty caches, whatever ran before: each engine's AllBlocksCleared reaches the
+    # router at once, with no request to make the idle engines step.
     for engine in fleet.engines:
         engine.reset_prefix_cache()
-        engine.complete("w5 w6 w7 w8 w9 w10")
     router.wait(lambda: metric(router.url, "kvbus_router_indexed_blocks") == 0, 30)
     rng = random.Random(5)
     prefix = [rng.randrange(4, 1024) for _ in range(PREFIX_BLOCKS * BLOCK)]
@@ -141,6 +140,12 @@ def test_requests_sharing_a_prefix_land_on_one_engine_cached_then_a_restart_is_s
     router.wait(lambda: metric(router.url, "kvbus_router_indexed_blocks") >= PREFIX_BLOCKS, 30)
     again, predicted, cached = complete(router, fleet, prompt())
     assert again == worker and cached >= PREFIX_BLOCKS * BLOCK and predicted == cached
+    # A cache reset of the idle engine (an RL weight sync's): the router forgets its
+    # blocks with no request sent there, and predicts what the engine then finds.
+    engine_of(fleet, again).reset_prefix_cache()
+    router.wait(lambda: metric(router.url, "kvbus_router_indexed_blocks") == 0, 30)
+    worker, predicted, cached = complete(router, fleet, prompt())
+    assert (predicted, cached) == (0, 0), worker
 
 
 def test_zmq_events_listen_on_the_port_and_replay(fleet: SimFleet) -> None:

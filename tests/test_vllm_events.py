@@ -436,3 +436,102 @@ async def test_a_consumer_after_trimmed_history_equals_the_block_pool(llm: Any) 
     finally:
         sched.kv_event_publisher.shutdown()
         sched.kv_event_publisher = plugin_publisher
+
+
+async def test_a_reset_reaches_the_bus_at_once_on_an_idle_engine(llm: Any) -> None:
+    """vLLM publishes a reset's ``AllBlocksCleared`` with the engine's next step; with the
+    plugin it is on the bus at once: the engine is idle and runs no step, yet a consumer
+    sees the clear (alone in its batch, right after what came before) and predicts
+    nothing cached for the prompt it held, which is what the engine then finds."""
+    from kvbus.connectors.vllm_events import install_reset_publishing
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert install_reset_publishing()  # vLLM 0.32: the wrapper is in place
+    assert Scheduler.reset_prefix_cache.kvbus_publishes_resets
+    sched = scheduler(llm)
+    publisher = sched.kv_event_publisher.publisher
+    state = PrefixState()
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, 1024) for _ in range(4 * BLOCK + 5)]
+    generate(llm, [prompt])
+    cursor = await catch_up(publisher, PLUGIN_URL, "kv", state, None)
+    assert state.index.match(prompt) == {"engine-test/dp0": 4 * BLOCK}
+    assert state.predicted_cached_tokens(prompt) == 4 * BLOCK
+    assert not sched.has_unfinished_requests()  # idle: no step until a request comes
+    seen, published = len(state.seen), publisher.stats.published
+    assert llm.reset_prefix_cache()
+    cursor = await catch_up(publisher, PLUGIN_URL, "kv", state, cursor)  # bounded: 10 s
+    assert publisher.stats.published == published + 1 and len(state.seen) == seen + 1
+    (cleared,) = state.seen[seen:]
+    assert isinstance(cleared, Message) and cleared.body.events == [AllBlocksCleared()]
+    assert state.index.match(prompt) == {} and state.predicted_cached_tokens(prompt) == 0
+    assert set(state.prefix_of) == engine_cached_blocks(llm) == set()
+    (output,) = generate(llm, [prompt])
+    assert output.num_cached_tokens == 0
+    await catch_up(publisher, PLUGIN_URL, "kv", state, cursor)
+    state.check_index(engine_cached_blocks(llm))
+
+
+def test_reset_publishing_stays_off_on_other_vllm_releases_and_publishers() -> None:
+    """A vLLM release whose scheduler was not read keeps vLLM's behaviour (the clear goes
+    with the next step), and so does a scheduler whose publisher is not kvbus's: the
+    events stay queued for its next step."""
+    from kvbus.connectors.vllm_events import install_reset_publishing, publish_queued_events
+
+    assert not install_reset_publishing("0.31.2")
+    assert not install_reset_publishing("0.33.0")
+
+    class Manager:
+        def __init__(self) -> None:
+            self.queue: list[Any] = [AllBlocksCleared()]
+
+        def take_events(self) -> list[Any]:
+            taken, self.queue = self.queue, []
+            return taken
+
+    class Stock:  # vLLM's ZMQ or null publisher: no publish_early
+        def publish(self, batch: Any) -> None:
+            raise AssertionError("published outside a step")
+
+    class Sched:
+        kv_cache_manager = Manager()
+        kv_event_publisher = Stock()
+
+    assert publish_queued_events(Sched()) == 0 and len(Sched.kv_cache_manager.queue) == 1
+
+
+def test_keep_zmq_gets_a_reset_with_the_next_step_as_without_kvbus(memory_url: str) -> None:
+    """The bus gets the reset's batch at once; vLLM's own ZMQ publisher, kept beside it,
+    gets those events at the head of the next step's batch: the batches vLLM alone sends."""
+    from kvbus.connectors.vllm_events import KvbusEventPublisher
+    from vllm.distributed.kv_events import BlockStored as VllmStored
+    from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.batches: list[Any] = []
+
+        def publish(self, batch: Any) -> None:
+            self.batches.append(batch)
+
+        def shutdown(self) -> None:
+            pass
+
+    publisher = KvbusEventPublisher(0, url=memory_url)
+    zmq_side = publisher.zmq = Recorder()  # type: ignore[assignment]
+    try:
+        from vllm.distributed.kv_events import AllBlocksCleared as VllmCleared
+
+        stored = VllmStored([7], None, list(range(BLOCK)), BLOCK, None, "GPU", None)
+        publisher.publish(VllmBatch(ts=1.0, events=[stored]))
+        publisher.publish_early(VllmBatch(ts=2.0, events=[VllmCleared()]))
+        assert len(zmq_side.batches) == 1
+        publisher.publish(VllmBatch(ts=3.0, events=[stored]))
+        assert [(b.ts, [type(e).__name__ for e in b.events]) for b in zmq_side.batches] == [
+            (1.0, ["BlockStored"]),
+            (3.0, ["AllBlocksCleared", "BlockStored"]),
+        ]
+        publisher.publish(VllmBatch(ts=4.0, events=[stored]))
+        assert len(zmq_side.batches[-1].events) == 1  # held events go once
+    finally:
+        publisher.shutdown()

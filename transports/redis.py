@@ -251,6 +251,15 @@ class _QuorumSentinel(Sentinel):
         self.quorum = quorum
         self.disagreements = 0
 
+    def check_master_state(self, state: dict[str, Any], service_name: str) -> bool:
+        """redis-py's check, and none while the Sentinel is failing the primary over:
+        until the failover ends ``SENTINEL MASTER`` names the old primary, and one back
+        from a restart answers as a primary until the Sentinel demotes it, when its
+        resync from the new one wipes what it took (appends acknowledged, then lost)."""
+        if "failover_in_progress" in str(state.get("flags", "")).split(","):
+            return False
+        return bool(super().check_master_state(state, service_name))
+
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         answers = await asyncio.gather(
             *(self._primary_named_by(sentinel, service_name) for sentinel in self.sentinels),

@@ -1,14 +1,22 @@
 """The routing policy: the cost of each worker for a request, from the prefix it holds,
 the room in its cache and its load (`CostModel`), and the `Decision` it makes.
 
-Cost of a worker for a request, in blocks of prefill (lowest wins; ties drawn by a
-seeded generator, so the same inputs give the same decisions)::
+Cost of a worker for a request, in blocks of prefill at the fleet's pace (lowest wins;
+ties drawn by a seeded generator, so the same inputs give the same decisions)::
 
-    prefill  * blocks it would compute + queued * blocks queued ahead of them there
+    pace * ( prefill  * blocks it would compute + queued * blocks queued ahead of them there
+           + running  * requests of this router decoding there
+           + waiting  * other requests there (the engine's running + waiting, less this router's)
+           + kv_usage * its KV cache usage (0..1) )
   + eviction * blocks it would newly cache * its excess share of recent insertions
-  + running  * requests of this router decoding there
-  + waiting  * other requests there (the engine's running + waiting, less this router's)
-  + kv_usage * its KV cache usage (0..1)
+  + affinity * a number in [0, 1) hashed from the prompt's first block and its name
+
+``pace`` is how long the worker takes to a first token per block ahead, over what the
+fleet takes (`kvbus.routing.pace`: 1 until measured, and on a uniform fleet): a worker
+twice as slow pays its prefill and its queue twice. The affinity term (rendezvous
+hashing) breaks near-ties between workers the same way in every router replica, so a
+new prefix's first requests, routed by several replicas before any hears of the others'
+routes, land on one worker.
 
 The eviction term keeps the fleet's caches working as one. Every block a worker newly
 caches evicts its least recently used one, so a worker that caches more than its share
@@ -27,6 +35,7 @@ policy's own state (the weights, the tie-breaking generator, the round-robin tur
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import random
 from typing import Final
@@ -40,6 +49,7 @@ from kvbus.routing.index import PrefixIndex, mask_numbers
 
 _MASK_CACHE: Final = 256
 _FEW: Final = 64
+_MASK64: Final = (1 << 64) - 1
 
 
 class Policy(str, enum.Enum):
@@ -67,6 +77,14 @@ class CostWeights(msgspec.Struct, frozen=True, kw_only=True):
     """Per request of this router that is streaming there (decoding): a decode step
     costs the next prefill little."""
     kv_usage: float = 8.0
+    affinity: float = 1.0
+    """At most this many blocks, by a hash of the prompt's first block and the worker's
+    name (rendezvous hashing): near-equal workers are told apart the same way by every
+    router replica, so a new prefix's requests routed by several replicas at once (before
+    any hears of the others') land together, as do one router's."""
+    pace: float = 1.0
+    """Exponent on the worker's pace (`kvbus.routing.pace`): 1 charges a worker twice
+    as slow twice; 0 ignores speed."""
 
 
 class Decision(msgspec.Struct, kw_only=True):
@@ -103,6 +121,16 @@ class Decision(msgspec.Struct, kw_only=True):
     engine_load: bool = False
     """The worker's load came from its own endpoint (`Router.apply_engine_load`), not
     from the bus: the bus was down or told nothing of it."""
+    pace: float = 1.0
+    """The worker's pace (`kvbus.routing.pace`): its prefill and load terms count this
+    many times (2: it takes twice the fleet's time to a first token)."""
+    affinity: float = 0.0
+    """The affinity part of ``cost``."""
+    routed_at: float = 0.0
+    """When (the router's clock) it was routed."""
+    ahead_blocks: float = 0.0
+    """Blocks of prefill ahead of its first token when routed: its own, those of this
+    router's requests queued there before it, and the one token always computed."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""
@@ -110,8 +138,11 @@ class Decision(msgspec.Struct, kw_only=True):
             f"{self.policy.value} -> {self.worker}: cost {self.cost:.2f} = prefill "
             f"{self.prefill_blocks:.2f} of {self.prompt_tokens} tokens (holds "
             f"{self.matched_tokens}) + evicting {self.new_blocks} at excess "
-            f"{self.excess:.2f} + load {self.load:.2f}"
+            f"{self.excess:.2f} + load {self.load:.2f} + affinity {self.affinity:.2f}"
         )
+        if self.pace != 1.0:
+            why += f" (prefill and load x pace {self.pace:.2f})"
+
         if self.runner_up is not None:
             why += f"; runner-up {self.runner_up} at {self.runner_up_cost:.2f}"
         return why
@@ -128,6 +159,8 @@ class CostModel:
         self.index = index
         self._rng = random.Random(seed)
         self._members: dict[int, npt.NDArray[np.intp]] = {}
+        self._name_hashes: list[int] = []
+        """each worker's name hashed, by the index's number (`_rendezvous`)"""
         self._turn = 0
 
     def load_cost(
@@ -167,19 +200,46 @@ class CostModel:
         w = self.weights
         new = len(keys) - depth
         excess = self._excess(state, eligible, len(load))
-        cost = load + w.prefill * (len(keys) - saved) + w.eviction * new * excess
+        pace = state.pace.of(len(load)) ** w.pace if w.pace else np.ones(len(load))
+        cost = pace * (load + w.prefill * (len(keys) - saved)) + w.eviction * new * excess
+        affinity = (
+            w.affinity * self._rendezvous(keys[0], len(load)) if w.affinity and keys else None
+        )
+        if affinity is not None:
+            cost += affinity
         best = float(cost.min())
         ties = np.flatnonzero(cost <= best + 1e-9)
         number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
         decision = self._decide(state, number, keys, int(depth[number]), prompt_tokens, best)
         decision.prefill_blocks = float(len(keys) - saved[number])
         decision.excess = float(excess[number])
+        decision.pace = float(pace[number])
+        decision.affinity = float(affinity[number]) if affinity is not None else 0.0
         cost[number] = np.inf
         second = int(cost.argmin())
         if np.isfinite(cost[second]):
             decision.runner_up = self.index.worker_name(second)
             decision.runner_up_cost = float(cost[second])
         return decision
+
+    def _rendezvous(self, key: int, size: int) -> npt.NDArray[np.float64]:
+        """Per worker, a number in [0, 1) from ``key`` and the worker's name, the same
+        in every process (the names' hashes are BLAKE2b, the key the index's stable one)."""
+        names = self._name_hashes
+        known = min(size, self.index.worker_count())
+        while len(names) < known:
+            name = self.index.worker_name(len(names)).encode()
+            names.append(int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little"))
+        hashes = np.zeros(size, dtype=np.uint64)  # numbers no worker has yet: never chosen
+        hashes[:known] = names[:known]
+        x = hashes ^ np.uint64(key & _MASK64)
+        # splitmix64's finaliser: every bit of key and name moves every bit of the score.
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
     def _excess(
         self, state: FleetState, eligible: npt.NDArray[np.intp], size: int

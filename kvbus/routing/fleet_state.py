@@ -16,10 +16,11 @@ fleet capacity of them. Capacity is each engine's ``LoadMetrics.kv_cache_blocks`
 the most blocks it was seen holding).
 
 A request just routed adds its prompt's blocks to that worker's prefix at once
-(until it finishes, plus ``linger`` seconds), so a burst of similar requests does not
-all miss before the engine's events arrive. A worker stops receiving traffic when its
-metrics are older than ``stale_after`` seconds (the stat logger beats every 2 s), when
-it stops (`SourceStopped`), or for ``seconds`` after `FleetState.mark_down`.
+(until it finishes, plus ``linger`` seconds or until the engine's cache empties), so a
+burst of similar requests does not all miss before the engine's events arrive. A worker
+stops receiving traffic when its metrics are older than ``stale_after`` seconds (the
+stat logger beats every 2 s), when it stops (`SourceStopped`), or for ``seconds`` after
+`FleetState.mark_down`.
 
 When the bus tells nothing of a worker (the bus is down, or its engine publishes under
 another name), its load can come from its own endpoint instead (`apply_engine_load`),
@@ -40,6 +41,7 @@ import numpy.typing as npt
 
 from kvbus.logs import LimitedLog, shown
 from kvbus.routing.index import PrefixIndex
+from kvbus.routing.pace import WorkerPace
 from kvbus.wire.events import LoadMetrics
 
 _limited = LimitedLog(logging.getLogger("kvbus.routing.router"))
@@ -118,6 +120,8 @@ class FleetState:
         """(until, worker) of requests of this router that ended less than ``linger``
         ago: the engine's next load record may still count them"""
         self._ended_count: dict[int, int] = {}
+        self.pace = WorkerPace()
+        """each worker's time to first token per block ahead, relative to the fleet's"""
 
     # --- what the engines say --------------------------------------------------------
 
@@ -219,7 +223,23 @@ class FleetState:
             return
         self._grow(number)
         self.fresh[number] = 0.0
+        self.pace.forget(number)  # a restarted engine may run on other hardware
         self.refresh(number)
+
+    def cleared(self, worker: str) -> None:
+        """``worker``'s engine emptied its cache (a reset, a restart): the blocks its
+        finished requests left assumed there (``linger``) are gone, as its events say.
+        Requests still in flight keep theirs: they cache them after the clear."""
+        number = self.index.worker_number(worker)
+        if not any(request.number == number for _, request in self._finishing):
+            return
+        kept: deque[tuple[float, Routed]] = deque()
+        for until, request in self._finishing:
+            if request.number == number:
+                self._release(number, request.keys)
+            else:
+                kept.append((until, request))
+        self._finishing = kept
 
     def mark_down(self, worker: str, seconds: float) -> None:
         """Send ``worker`` nothing for ``seconds``."""
@@ -277,6 +297,11 @@ class FleetState:
         ]
 
     # --- requests in flight ----------------------------------------------------------
+
+    def queued_blocks(self, number: int) -> float:
+        """Blocks this router's requests not streaming yet still prefill on a worker."""
+        queued = self._queued.get(number)
+        return queued[1] if queued else 0.0
 
     def assign(self, request: Routed) -> None:
         """Count ``request`` on its worker until it finishes: queued for prefill, its

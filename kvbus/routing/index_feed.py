@@ -122,6 +122,7 @@ class _Feeding(_Holders):
 
     def clear(self, worker: str) -> None:
         """Forget everything ``worker`` held (it restarted, or its events were lost)."""
+        self.clears += 1
         state = self._workers.pop(worker, None)
         if state is None:
             return

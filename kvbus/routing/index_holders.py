@@ -204,6 +204,9 @@ class _Holders:
         """per worker number: its advertised KV cache blocks (0: not advertised)"""
         self.unchained = 0
         """Stored blocks skipped because their parent was unknown (joined mid-stream)."""
+        self.clears = 0
+        """Times a worker's blocks were forgotten whole (``AllBlocksCleared``, a
+        `Resync`, a new epoch): a feeder compares it around ``apply``."""
         self.malformed = 0
         """Stored events skipped for a block size no engine uses (0, negative, huge) or
         a token id outside 32 bits."""
@@ -249,6 +252,10 @@ class _Holders:
 
     def worker_name(self, number: int) -> str:
         return self._names[number]
+
+    def worker_count(self) -> int:
+        """Workers numbered so far (`worker_number`): numbers ``0..count-1``."""
+        return len(self._names)
 
     def workers(self) -> list[str]:
         return list(self._workers)

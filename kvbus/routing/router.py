@@ -150,11 +150,19 @@ class Router:
     # --- feeding ---------------------------------------------------------------------
 
     def apply_kv(self, item: Message | Resync) -> None:
-        """Apply one item of the kv stream (blocks held; restarts and losses clear)."""
+        """Apply one item of the kv stream (blocks held; restarts and losses clear).
+        An engine whose cache emptied (a restart, an ``AllBlocksCleared``) no longer
+        holds what this router's finished requests left assumed there."""
+        clears = self.index.clears
         self.index.apply(item)
         if isinstance(item, Resync):
+            if item.reason is ResyncReason.NEW_EPOCH:  # restarted: maybe elsewhere
+                self.state.pace.forget(self.index.worker_number(item.source))
+                self.state.cleared(item.source)
             return
         if item.kind == Kind.KV:  # its body left undecoded: the index read its payload
+            if self.index.clears != clears:  # an AllBlocksCleared
+                self.state.cleared(item.source)
             self.state.count_insertions(item.source)
         elif isinstance(item.body, SourceStopped):
             self.state.stopped(item.source, item.ts)
@@ -211,6 +219,10 @@ class Router:
         decision = self.cost.choose(self.state, load, keys, len(token_ids))
         if decision is None:
             return None
+        decision.routed_at = now
+        decision.ahead_blocks = (
+            self.state.queued_blocks(decision.number) + decision.prefill_blocks + 1
+        )
         self.state.assign(decision)
         if self.share is not None:
             decision.request = next(self._requests)
@@ -231,6 +243,9 @@ class Router:
         """The request of ``decision`` started streaming: its prefill is done."""
         if decision.streaming:
             return
+        if not decision.peer and decision.ahead_blocks:
+            seconds = self._clock() - decision.routed_at
+            self.state.pace.observe(decision.number, seconds, decision.ahead_blocks)
         self.state.started(decision)
         self._tell(decision, "started")
 

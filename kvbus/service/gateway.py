@@ -332,7 +332,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="cost weight: prefill, eviction, waiting, running, kv_usage (kvbus.routing.cost)",
+        help=(
+            "cost weight: prefill, queued, eviction, waiting, running, kv_usage, pace "
+            "(kvbus.routing.cost)"
+        ),
     )
     parser.add_argument(
         "--stale-after",

@@ -261,6 +261,8 @@ class EngineAPI:
                 "running": running,
                 "waiting": waiting,
                 "steps": self.engine.steps,
+                "step_seconds": self.engine.step_seconds,
+                "slowdown": self.engine.timing.slowdown,
                 "restarts": self.engine.restarts,
                 "kv_blocks": self.engine.core.num_blocks,
                 "max_num_seqs": limits.max_num_seqs,

@@ -4,6 +4,9 @@ tokens come out when its modelled time has passed, and each step's KV events and
 go to the bus through the same publisher and stat logger as on a real engine (sources
 ``NAME/dp0``), and to vLLM's own ZMQ publisher when a port is given.
 
+A prefix cache reset is published at once, not with the next step (as kvbus's plugin
+does on a real engine; vLLM's ZMQ events still carry it with the next step).
+
 A restart (`restart`) is a new engine process: in-flight requests fail, the cache is
 empty, and the bus sees the old epoch end (``SourceStopped``) and a new one start."""
 
@@ -22,7 +25,7 @@ from vllm.distributed.kv_events import EventBatch, EventPublisher, ZmqEventPubli
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput
 
-from kvbus.connectors.vllm_events import KvbusEventPublisher
+from kvbus.connectors.vllm_events import KvbusEventPublisher, prepend_events
 from kvbus.connectors.vllm_stats import KvbusStatLogger
 from kvbus.sim.engine_core import EngineCore, request_seed
 from kvbus.sim.engine_metrics import EngineMetrics
@@ -55,15 +58,27 @@ class RequestStream:
 
 
 class _Publishers(EventPublisher):
-    """The step's batch to each of the engine's publishers (kvbus's, vLLM's ZMQ)."""
+    """The step's batch to each of the engine's publishers (kvbus's, vLLM's ZMQ). A
+    batch published between steps (a cache reset's, `publish_queued_events`) goes to
+    kvbus's at once and to vLLM's ZMQ publisher with the next step's, as a real engine
+    running the plugin with ``KVBUS_KEEP_ZMQ`` does."""
 
     def __init__(self, publishers: list[EventPublisher]) -> None:
         super().__init__(0)
         self.publishers = publishers
+        self._held: list[Any] = []
 
     def publish(self, events: EventBatch) -> None:
+        later = prepend_events(self._held, events)
         for publisher in self.publishers:
-            publisher.publish(events)
+            publisher.publish(events if isinstance(publisher, KvbusEventPublisher) else later)
+
+    def publish_early(self, events: EventBatch) -> None:
+        for publisher in self.publishers:
+            if isinstance(publisher, KvbusEventPublisher):
+                publisher.publish_early(events)
+        if not all(isinstance(p, KvbusEventPublisher) for p in self.publishers):
+            self._held.extend(events.events)
 
     def shutdown(self) -> None:
         for publisher in self.publishers:
@@ -118,6 +133,9 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
+        self.step_seconds = 0.0
+        """The modelled time of every step run so far (what the profile, ``--speedup`` and
+        ``--slow`` make them; the wall time is at least this)."""
         self._start_core()
 
     # --- lifecycle -----------------------------------------------------------------
@@ -206,6 +224,8 @@ class SimEngine:
             self._wake.set()
 
     def reset_prefix_cache(self) -> bool:
+        """vLLM's ``/reset_prefix_cache``; its ``AllBlocksCleared`` reaches the bus at
+        once, as on a real engine running kvbus's plugin (`EngineCore.reset_prefix_cache`)."""
         return self.core.reset_prefix_cache()
 
     @property
@@ -229,6 +249,7 @@ class SimEngine:
                 outputs, stats = self.core.end_step(decision)
                 self._deliver(outputs)
                 self.steps += 1
+                self.step_seconds += seconds
                 if stats is not None:
                     self._record(stats)
                 if not decision.total_num_scheduled_tokens and not outputs:

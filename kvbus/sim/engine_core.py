@@ -33,6 +33,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvbus.connectors.vllm_events import publish_queued_events
 from kvbus.sim.timing import TimingModel, step_work
 
 
@@ -197,8 +198,13 @@ class EngineCore:
         return [o for outputs in produced.values() for o in outputs.outputs], stats
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's ``/reset_prefix_cache``: False while requests hold blocks."""
-        return bool(self.scheduler.reset_prefix_cache())
+        """vLLM's ``/reset_prefix_cache``: False while requests hold blocks. What the
+        reset queued (its ``AllBlocksCleared``) is published at once, as kvbus's plugin
+        makes a real engine do (`kvbus.connectors.vllm_events.install_reset_publishing`;
+        a no-op here when that already did it), not with the next step."""
+        done = bool(self.scheduler.reset_prefix_cache())
+        publish_queued_events(self.scheduler)
+        return done
 
 
 def request_seed(request_id: str) -> int:

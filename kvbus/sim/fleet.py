@@ -80,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speedup", type=float, default=1.0,
         help="run this many times faster than the profile's hardware (default 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--slow", action="append", type=_slow, default=[], metavar="ENGINE=FACTOR",
+        help="engine number ENGINE (0..N-1) takes FACTOR times the profile's time for each "
+        "step (FACTOR > 0; 2: twice as slow, 0.5: twice as fast); repeatable, one per engine",
+    )  # fmt: skip
     parser.add_argument("--max-model-len", type=int, help="vLLM's --max-model-len")
     parser.add_argument(
         "--max-num-seqs", type=int,
@@ -88,6 +93,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, help="vLLM's --max-num-batched-tokens"
     )
+
+
+def _slow(text: str) -> tuple[int, float]:
+    """``--slow ENGINE=FACTOR`` read (the engine's range is checked against --engines
+    by `_check`)."""
+    engine, sep, factor = text.partition("=")
+    try:
+        index, times = int(engine), float(factor)
+    except ValueError:
+        index, times = -1, float("nan")
+    if not sep or index < 0 or not 0 < times < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want ENGINE=FACTOR, an engine number >= 0 and a factor > 0 "
+            "(e.g. 3=2: engine 3 twice as slow)"
+        )
+    return index, times
+
+
+def slowdowns(args: argparse.Namespace) -> dict[int, float]:
+    """Engine number -> its ``--slow`` factor (engines not named: 1)."""
+    return dict(getattr(args, "slow", None) or [])
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -107,6 +133,16 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit("kvbus sim: --zmq-replay-port needs --zmq-port and a valid range")
     if args.block_size < 1 or args.kv_blocks < 2:
         raise SystemExit("kvbus sim: --block-size >= 1 and --kv-blocks >= 2")
+    named: set[int] = set()
+    for engine, factor in args.slow or []:
+        if engine >= args.engines:
+            raise SystemExit(
+                f"kvbus sim: --slow {engine}={factor:g}: no engine {engine} "
+                f"(engines are numbered 0..{args.engines - 1})"
+            )
+        if engine in named:
+            raise SystemExit(f"kvbus sim: --slow names engine {engine} twice")
+        named.add(engine)
 
 
 def _raise_file_limit(engines: int) -> None:
@@ -148,13 +184,14 @@ class Fleet:
         )
         config = await asyncio.to_thread(engine_config, shape)
         tokenizer = await asyncio.to_thread(Tokenizer, args.model)
-        timing = TimingModel(profile, args.speedup)
+        slow = slowdowns(args)
         url = args.url or os.environ.get("KVBUS_URL") or None
         name = args.served_model_name or args.model
         for i in range(args.engines):
             zmq_port = None if args.zmq_port is None else args.zmq_port + i
             replay = None if args.zmq_replay_port is None else args.zmq_replay_port + i
             bus = BusOptions(url, zmq_port, args.host, replay)
+            timing = TimingModel(profile, args.speedup, slow.get(i, 1.0))
             engine = SimEngine(f"{args.source_prefix}{i}", config, timing, bus, name)
             self.engines.append(engine)
             api = EngineAPI(engine, tokenizer, args.model, scale_out=args.enable_scale_out)
@@ -202,10 +239,11 @@ async def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"kvbus sim: {error}") from None
         first, last = args.port, args.port + args.engines - 1
         where = args.url or os.environ.get("KVBUS_URL") or "no bus"
+        slow = "".join(f", engine {i} steps x{f:g}" for i, f in sorted(slowdowns(args).items()))
         print(
             f"kvbus sim: {args.engines} engines on http://{args.host}:{first}..{last} "
             f"(sources {args.source_prefix}0/dp0..), publishing to "
-            f"{_redacted(where)}; profile {args.profile}, speedup {args.speedup:g}",
+            f"{_redacted(where)}; profile {args.profile}, speedup {args.speedup:g}{slow}",
             file=sys.stderr,
             flush=True,
         )

@@ -16,7 +16,8 @@ requests and one decode token of others. The model::
 
 A profile is a row of five numbers (seconds); a user replaces them with their own
 (``--profile FILE.json``). ``--speedup`` divides every step's time, so a fleet runs
-faster than real time with the same order of events.
+faster than real time with the same order of events; ``--slow ENGINE=FACTOR`` multiplies
+one engine's (a slower GPU, a noisy neighbour, a throttled card).
 """
 
 from __future__ import annotations
@@ -156,13 +157,17 @@ def step_work(decision: SchedulerOutput, requests: dict[str, Request]) -> StepWo
 
 class TimingModel:
     """Seconds of wall time for a step's work under ``profile``, ``speedup`` times
-    faster than the hardware it describes."""
+    faster than the hardware it describes, and ``slowdown`` times slower (one engine
+    of a fleet on slower hardware: ``kvbus sim --slow``)."""
 
-    def __init__(self, profile: Profile, speedup: float = 1.0) -> None:
+    def __init__(self, profile: Profile, speedup: float = 1.0, slowdown: float = 1.0) -> None:
         if not speedup > 0:
             raise ValueError(f"speedup {speedup!r}: must be > 0")
+        if not 0 < slowdown < float("inf"):
+            raise ValueError(f"slowdown {slowdown!r}: must be > 0 and finite")
         self.profile = profile
         self.speedup = speedup
+        self.slowdown = slowdown
 
     def seconds(self, work: StepWork) -> float:
         if not (work.prefill_tokens or work.decode_seqs):
@@ -170,4 +175,4 @@ class TimingModel:
         p = self.profile
         compute = work.prefill_tokens * p.prefill + work.decode_seqs * p.decode
         hardware = p.overhead + max(p.weight_read, compute) + work.context_tokens * p.context
-        return hardware / self.speedup
+        return hardware * self.slowdown / self.speedup

@@ -1,0 +1,105 @@
+"""Each worker's pace (kvbus.routing.pace) and how the router weighs it: time to first
+token per block ahead, relative to the fleet, from hand-made observations and a
+hand-driven clock."""
+
+from __future__ import annotations
+
+import random
+
+from kvbus.bus.subscription import Resync, ResyncReason
+from kvbus.routing.pace import WorkerPace
+from kvbus.routing.router import CostWeights, Router
+
+from .test_router import Clock, load
+
+B = 4
+
+
+def ttft(blocks: float, slowness: float, noise: random.Random) -> float:
+    """An engine's time to first token: a fixed overhead and a cost per block."""
+    return slowness * (0.02 + 0.002 * blocks) * noise.uniform(0.9, 1.1)
+
+
+def test_a_uniform_fleet_reads_pace_one_whether_it_was_sent_hits_or_misses() -> None:
+    pace, noise = WorkerPace(), random.Random(1)
+    for _ in range(200):
+        hit = noise.randint(1, 3)  # worker 0 holds the prefixes: little work each time
+        miss = noise.randint(50, 100)
+        pace.observe(0, ttft(hit, 1.0, noise), hit)
+        pace.observe(1, ttft(miss, 1.0, noise), miss)
+    # Per block, the hits took 4-20 times the misses' seconds: only the fit's overhead
+    # term tells that worker 0 is as fast.
+    assert list(pace.of(2)) == [1.0, 1.0]
+
+
+def test_a_worker_twice_as_slow_reads_about_two_and_the_rest_one() -> None:
+    pace, noise = WorkerPace(), random.Random(2)
+    for _ in range(300):
+        for worker in range(4):
+            blocks = noise.choice([1, 2, 30, 80, 120])
+            pace.observe(worker, ttft(blocks, 2.0 if worker == 3 else 1.0, noise), blocks)
+    paces = pace.of(4)
+    assert list(paces[:3]) == [1.0, 1.0, 1.0]
+    assert 1.5 < paces[3] < 2.5
+
+
+def test_a_pace_needs_samples_and_is_forgotten_on_restart() -> None:
+    pace = WorkerPace(min_samples=4, limit=4.0)
+    for _ in range(20):
+        pace.observe(0, 0.1, 10)
+    for _ in range(3):
+        pace.observe(1, 1.0, 10)  # ten times slower, but only three samples
+    assert pace.of(2)[1] == 1.0
+    pace.observe(1, 1.0, 10)
+    assert pace.of(2)[1] == 4.0  # ten times slower, at most limit
+    pace.forget(1)
+    assert pace.of(2)[1] == 1.0
+    # Forged or broken observations are ignored, not folded in.
+    pace.observe(0, float("nan"), 10)
+    pace.observe(0, -1.0, 10)
+    pace.observe(0, 0.1, float("inf"))
+    assert pace.of(1)[0] == 1.0
+
+
+def slow_b_router(slowness_b: float) -> tuple[Router, Clock]:
+    """Two workers; 40 sequential requests whose first tokens come at b's ``slowness``."""
+    clock, noise = Clock(), random.Random(3)
+    r = Router("kv", weights=CostWeights(eviction=0), block_size=B, seed=1, clock=clock)
+    for worker in ("a", "b"):
+        r.apply_metrics(load(worker))
+    for i in range(40):
+        prompt = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 4 * B * (1 + i % 5)))
+        decision = r.route(prompt)
+        assert decision is not None
+        slowness = slowness_b if decision.worker == "b" else 1.0
+        clock.now += ttft(decision.ahead_blocks, slowness, noise)
+        r.started(decision)
+        r.finished(decision)
+    clock.now += r.linger + 1
+    for worker in ("a", "b"):
+        r.apply_metrics(load(worker))
+    return r, clock
+
+
+def test_the_router_sends_new_work_past_a_busy_fast_worker_only_when_the_other_is_as_fast() -> None:
+    for slowness_b, expected in ((1.0, "b"), (2.0, "a")):
+        r, _ = slow_b_router(slowness_b)
+        # a has one of this router's requests queued (10 blocks to prefill ahead).
+        queued = r.route(list(range(500, 540)), exclude={"b"})
+        assert queued is not None and queued.worker == "a"
+        decision = r.route(list(range(900, 932)))  # 8 new blocks: a after 10, or b
+        assert decision is not None and decision.worker == expected, decision.explain()
+        if slowness_b == 2.0:
+            assert decision.runner_up == "b"
+            assert 1.5 < r.state.pace.of(2)[1] < 2.5
+            assert "pace" not in decision.explain()  # a's pace is 1
+        else:
+            assert decision.pace == 1.0
+
+
+def test_a_restarted_worker_starts_again_at_the_fleets_pace() -> None:
+    r, _ = slow_b_router(2.0)
+    b = r.index.worker_number("b")
+    assert r.state.pace.of(2)[b] > 1.5
+    r.apply_kv(Resync("b", 2, ResyncReason.NEW_EPOCH))
+    assert r.state.pace.of(2)[b] == 1.0
