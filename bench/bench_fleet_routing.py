@@ -66,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
 
 from cluster import BLOCK  # noqa: E402
-from peers import PEERS, PEERS_VENV, policies_to_compare  # noqa: E402
+from peers import PEERS, PEERS_VENV, PeerRouter, policies_to_compare  # noqa: E402
 from router_demo import Cluster, Request, Result, Sim, send  # noqa: E402
 
 from bench.bench_fleet import cpu_seconds, machine_busy_seconds  # noqa: E402
@@ -268,9 +268,11 @@ async def run_router(
             for b, a in zip(engines_before, engines_after, strict=True)
         ]
         metrics: dict[str, float] = {}
-        if policy not in PEERS:
-            with contextlib.suppress(OSError, ValueError):
-                metrics = router_metrics(bases[0])
+        with contextlib.suppress(OSError, ValueError):
+            first = routers[0]
+            metrics = (
+                first.metrics() if isinstance(first, PeerRouter) else router_metrics(first.url)
+            )
     return Run(
         scenario, policy, repetition, plan.arrivals, results, speedup, cpu, machine,
         done_actions, metrics, prompt_tokens,
@@ -555,19 +557,25 @@ def steady_plan(
     repetition: int,
     marks: Sequence[tuple[str, float]] = (),
 ) -> Plan:
-    """Shared-prefix traffic at ``--steady-rate`` for ``--run-seconds``, in stages that
-    start at ``marks`` ((name, share of the run)) after a first one, "start"."""
+    """After a warm-up, shared-prefix traffic at ``--steady-rate`` for ``--run-seconds``,
+    in stages that start at ``marks`` ((name, share of the run)) after a first one,
+    "steady"."""
     rng = random.Random(f"{key}:{repetition}")
-    seconds = args.run_seconds
-    arrivals = workload.poisson(rng, args.steady_rate, 0.0, seconds, "")
-    bounds = [("start", 0.0), *((name, share * seconds) for name, share in marks)]
-    stages = [
-        (name, begin, bounds[i + 1][1] if i + 1 < len(bounds) else seconds)
-        for i, (name, begin) in enumerate(bounds)
+    arrivals, stages = warm_up(rng, workload, args.warmup_rate)
+    begin = stages[0][2]
+    end = begin + args.run_seconds
+    steady = workload.poisson(rng, args.steady_rate, begin, end, "")
+    starts = [
+        ("steady", begin),
+        *((name, begin + share * args.run_seconds) for name, share in marks),
     ]
-    for arrival in arrivals:
-        arrival.stage = next(name for name, begin, end in stages if begin <= arrival.at < end)
-    return Plan(arrivals, stages, output_tokens=args.output_tokens)
+    stages += [
+        (name, at, starts[i + 1][1] if i + 1 < len(starts) else end)
+        for i, (name, at) in enumerate(starts)
+    ]
+    for arrival in steady:
+        arrival.stage = next(name for name, b, e in stages[1:] if b <= arrival.at < e)
+    return Plan(arrivals + steady, stages, output_tokens=args.output_tokens)
 
 
 def scenario_c(args: argparse.Namespace) -> Scenario:
@@ -577,10 +585,8 @@ def scenario_c(args: argparse.Namespace) -> Scenario:
         marks = [("restarted", 1 / 3), ("reset", 2 / 3)]
         plan = steady_plan(args, workload, "c", repetition, marks)
         # Engine 0 restarts a third into the run, engine 1's cache is reset at two thirds.
-        plan.actions = [
-            (args.run_seconds / 3, "restart", 0),
-            (2 * args.run_seconds / 3, "reset", 1),
-        ]
+        at = {name: begin for name, begin, _ in plan.stages}
+        plan.actions = [(at["restarted"], "restart", 0), (at["reset"], "reset", 1)]
         return plan
 
     return Scenario(
@@ -615,6 +621,8 @@ def scenario_d(args: argparse.Namespace) -> Scenario:
 def scenario_b(args: argparse.Namespace) -> Scenario:
     """The Mooncake trace from ``--trace-start`` s on, its arrival times compressed by
     ``--trace-speed``; each trace block id is ``--trace-id-tokens`` tokens."""
+    if not args.trace.is_file():
+        raise SystemExit(f"(b): no trace at {args.trace} (--trace)")
     trace = [
         r for r in load_trace_timed(args.trace)
         if args.trace_start <= r[0] / 1000 < args.trace_start + args.trace_seconds
@@ -667,12 +675,40 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], Scenario]] = {
 }
 
 
+def speedups(policies: list[str], args: argparse.Namespace) -> dict[float, list[str]]:
+    """The routers by the sim's speedup they run at: ``--speedup``, or less for routers
+    that cost the sim more CPU per request (``--speedup-for``). The figures are in
+    simulated time, so rows run at different speedups compare as long as no process
+    is CPU-bound."""
+    special = dict(args.speedup_for or [])
+    groups: dict[float, list[str]] = {}
+    for policy in policies:
+        groups.setdefault(special.get(policy, args.speedup), []).append(policy)
+    return groups
+
+
 async def run_scenario(
     scenario: Scenario, policies: list[str], args: argparse.Namespace
 ) -> tuple[list[Run], dict[int, Plan], dict[int, list[int] | None]]:
     repetitions = args.repetitions or (3 if scenario.key in "ae" else 2)
     plans = {r: scenario.plan(r) for r in range(repetitions)}
+    runs: list[Run] = []
+    for speedup, routers in speedups(policies, args).items():
+        runs += await run_fleet(scenario, routers, plans, speedup, args)
+    started = time.monotonic()
     bounds = {r: offline_bound(p, scenario.engines, scenario.blocks) for r, p in plans.items()}
+    say(f"  offline bounds in {time.monotonic() - started:.0f} s")
+    return runs, plans, bounds
+
+
+async def run_fleet(
+    scenario: Scenario,
+    policies: list[str],
+    plans: dict[int, Plan],
+    speedup: float,
+    args: argparse.Namespace,
+) -> list[Run]:
+    """Every repetition's plan through each of ``policies`` in turn, on one sim fleet."""
     runs: list[Run] = []
     peers = any(p in PEERS for p in policies)
     with tempfile.TemporaryDirectory(prefix="kvbus-fleet-routing-") as tmp:
@@ -684,29 +720,29 @@ async def run_scenario(
             directory, servers=scenario.engines, blocks=scenario.blocks,
             model=(256, 2, scenario.max_model_len), max_model_len=scenario.max_model_len,
             peers=(args.peers or PEERS_VENV) if peers else None,
-            sim=Sim(args.profile, args.speedup, scenario.sim_args),
+            sim=Sim(args.profile, speedup, scenario.sim_args),
         )  # fmt: skip
         cluster.router_args = ["--log-level", "warning"]  # as the peers' (no access log)
         started = time.monotonic()
         cluster.start()
-        say(f"  {scenario.engines} engines x {scenario.blocks} blocks up in "
-            f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        say(f"  {scenario.engines} engines x {scenario.blocks} blocks, speedup {speedup:g}, "
+            f"up in {time.monotonic() - started:.0f} s")  # fmt: skip
         try:
-            for repetition in range(repetitions):
+            for repetition, plan in plans.items():
                 turn = repetition % len(policies)
                 for policy in policies[turn:] + policies[:turn]:
                     began = time.monotonic()
                     try:
                         run = await run_router(
-                            cluster, scenario.key, policy, repetition, plans[repetition],
-                            scenario.replicas, args.speedup, args.timeout,
+                            cluster, scenario.key, policy, repetition, plan,
+                            scenario.replicas, speedup, args.timeout,
                         )  # fmt: skip
                     except Exception as error:  # one router's failure ends only its run
                         say(f"  ({scenario.key}) repetition {repetition + 1} {policy}: "
                             f"failed: {error!r}")  # fmt: skip
                         continue
                     runs.append(run)
-                    measured = [s for s in plans[repetition].stages if s[0] != WARM_UP]
+                    measured = [s for s in plan.stages if s[0] != WARM_UP]
                     whole = ("all", min(s[1] for s in measured), max(s[2] for s in measured))
                     f = figures(_whole(run), whole, args.slo, None)
                     say(
@@ -720,10 +756,7 @@ async def run_scenario(
                     )
         finally:
             cluster.stop()
-    started = time.monotonic()
-    bounds = {r: offline_bound(p, scenario.engines, scenario.blocks) for r, p in plans.items()}
-    say(f"  offline bounds in {time.monotonic() - started:.0f} s")
-    return runs, plans, bounds
+    return runs
 
 
 def _whole(run: Run) -> Run:
@@ -735,6 +768,11 @@ def _whole(run: Run) -> Run:
     return Run(run.scenario, run.router, run.repetition, arrivals, run.results, run.speedup,
                run.cpu, run.machine_cpu, run.actions, run.router_metrics,
                run.engine_prompt_tokens)  # fmt: skip
+
+
+def _router_speedup(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    return name, float(value)
 
 
 def say(line: str) -> None:
@@ -758,19 +796,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--speedup", type=float, default=0.1, help="kvbus sim's (below 1: slower than real)"
     )
+    parser.add_argument(
+        "--speedup-for", action="append", type=_router_speedup, metavar="ROUTER=SPEEDUP",
+        help="run ROUTER on a fleet of this speedup instead (repeatable; default: the "
+        "vllm-router runs at a quarter of --speedup: they render each prompt on every "
+        "engine, 8 renders a request, which would make the one sim process CPU-bound)",
+    )  # fmt: skip
     parser.add_argument("--slo", type=float, default=1.0, help="TTFT SLO, simulated seconds")
     parser.add_argument(
         "--timeout", type=float, default=1.5,
         help="a request not answered within this (simulated s) counts as failed",
     )  # fmt: skip
     parser.add_argument("--output-tokens", type=int, default=4)
-    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=48)
     parser.add_argument("--per-group", type=int, default=5)
     parser.add_argument("--prefix-tokens", type=int, default=1500)
     parser.add_argument("--question-tokens", type=int, default=300)
     parser.add_argument("--pressure", type=float, default=0.73, help="working set / fleet KV")
     parser.add_argument("--ladder", default="150,300,450,600", help="(a): rates, simulated req/s")
-    parser.add_argument("--stage-seconds", type=float, default=0.25, help="(a): simulated")
+    parser.add_argument("--stage-seconds", type=float, default=0.2, help="(a): simulated")
     parser.add_argument(
         "--warmup-rate", type=float, default=80.0,
         help="(a): each group's first request at this rate (req/s) before the ladder",
@@ -779,7 +823,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burst-tokens", type=int, default=1800)
     parser.add_argument("--burst-rate", type=float, default=10.0, help="bursts per simulated s")
     parser.add_argument("--background-rate", type=float, default=200.0, help="(d, e): req/s")
-    parser.add_argument("--run-seconds", type=float, default=1.0, help="(c-f): simulated")
+    parser.add_argument("--run-seconds", type=float, default=0.8, help="(c-f): simulated")
     parser.add_argument("--steady-rate", type=float, default=300.0, help="(c, f): req/s")
     parser.add_argument("--slow-factor", type=float, default=2.0, help="(f)")
     parser.add_argument("--replicas", type=int, default=3, help="(d)")
@@ -793,6 +837,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write every request's figures here")
     parser.add_argument("--logs", type=Path, help="keep the processes' logs here")
     args = parser.parse_args(argv)
+    if args.speedup_for is None:
+        args.speedup_for = [(name, args.speedup / 4) for name in PEERS if "vllm-router" in name]
     if args.quick:
         args.repetitions = 1
     return args
@@ -807,9 +853,15 @@ async def main() -> None:
         scenario = SCENARIOS[key](args)
         say(f"({key}) {scenario.title}: {', '.join(policies)}")
         runs, plans, bounds = await run_scenario(scenario, policies, args)
+        slower = ", ".join(
+            f"{', '.join(routers)}: {speedup:g}"
+            for speedup, routers in speedups(policies, args).items()
+            if speedup != args.speedup
+        )
         out.append(
             f"\n({key}) {scenario.title}; {scenario.engines} engines x {scenario.blocks} KV "
-            f"blocks of {BLOCK} ({args.profile}, speedup {args.speedup:g}), "
+            f"blocks of {BLOCK} ({args.profile}, speedup {args.speedup:g}"
+            f"{f'; {slower}' if slower else ''}), "
             f"{len(plans)} repetition(s); SLO TTFT <= {args.slo:g} s\n"
             + table(runs, plans, bounds, args.slo, args.timeout)
         )
