@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
 
-from peers import PEERS, PEERS_VENV, find_peers  # noqa: E402
+from peers import PEERS_VENV, installed_runs, policies_to_compare  # noqa: E402
 from router_demo import Cluster, Request, Row  # noqa: E402
 
 from bench.mooncake import (  # noqa: E402
@@ -52,8 +52,6 @@ from bench.mooncake import (  # noqa: E402
     simulate,
 )
 from kvbus.routing.router import Router  # noqa: E402
-
-KVBUS_POLICIES = ["kv", "round_robin"]
 
 
 def requests_for(workload: Workload, trace: list[Any]) -> list[Request]:
@@ -128,14 +126,14 @@ async def main() -> None:
     workload = Workload(max_blocks=args.max_blocks, output_tokens=args.output_tokens)
     working_set = workload.working_set(trace)
     blocks = max(int(working_set * args.cache_fraction), args.max_blocks + 2)
-    pooled = pooled_hit_rate(workload, trace, args.servers * blocks)
-    unlimited = pooled_hit_rate(workload, trace, 10**9)
+    prompts = workload.prompts(trace)
+    pooled = pooled_hit_rate(prompts, args.servers * blocks)
+    unlimited = pooled_hit_rate(prompts, 10**9)
     router = Router(block_size=workload.block_size)
-    simulated = simulate(router, workload, trace, args.servers, blocks)
+    simulated = simulate(router, prompts, args.servers, blocks)
     bound = max(pooled, simulated)
-    installed = find_peers(args.peers)
-    peers = [name for name, (kind, _) in PEERS.items() if kind in installed]
-    policies = args.policies.split(",") if args.policies else [*KVBUS_POLICIES, *peers]
+    peers = installed_runs(args.peers)
+    policies = policies_to_compare(args.policies, args.peers)
     print(
         f"trace: {len(trace)} requests ({len({r.conversation for r in trace})} conversations, "
         f"one-off requests included) "

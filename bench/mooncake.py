@@ -98,14 +98,33 @@ def select(
     return sorted(chosen, key=lambda r: r.index)
 
 
+@dataclass(frozen=True)
+class Prompts:
+    """Requests as an engine sees them, in order: each one's prompt and output token ids."""
+
+    block_size: int
+    jobs: list[tuple[list[int], list[int]]]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(prompt) for prompt, _ in self.jobs)
+
+
 class Workload:
     """Token ids (and the same prompt as words) for trace requests on an engine of
-    ``block_size`` tokens per block: one engine block per trace block id."""
+    ``block_size`` tokens per block: ``id_tokens`` tokens (default one engine block)
+    per trace block id."""
 
     def __init__(
-        self, block_size: int = 32, max_blocks: int = 48, output_tokens: int = 8, seed: int = 0
+        self,
+        block_size: int = 32,
+        max_blocks: int = 48,
+        output_tokens: int = 8,
+        seed: int = 0,
+        id_tokens: int | None = None,
     ) -> None:
         self.block_size = block_size
+        self.id_tokens = id_tokens or block_size
         self.max_blocks = max_blocks
         self.output_tokens = output_tokens
         self.seed = seed
@@ -115,7 +134,7 @@ class Workload:
         tokens = self._blocks.get(hash_id)
         if tokens is None:
             rng = random.Random(f"{self.seed}:{hash_id}")
-            tokens = self._blocks[hash_id] = [rng.choice(VOCAB) for _ in range(self.block_size)]
+            tokens = self._blocks[hash_id] = [rng.choice(VOCAB) for _ in range(self.id_tokens)]
         return tokens
 
     def tokens(self, request: TraceRequest) -> list[int]:
@@ -125,8 +144,14 @@ class Workload:
         tail = request.input_length - TRACE_BLOCK * (len(request.hash_ids) - 1)
         if len(ids) < len(request.hash_ids):
             tail = TRACE_BLOCK
-        keep = max(1, min(self.block_size, round(self.block_size * tail / TRACE_BLOCK)))
+        keep = max(1, min(self.id_tokens, round(self.id_tokens * tail / TRACE_BLOCK)))
         return tokens + self.block(ids[-1])[:keep]
+
+    def prompts(self, requests: Iterable[TraceRequest]) -> Prompts:
+        return Prompts(
+            self.block_size,
+            [(self.tokens(r), output_tokens(r, self.output_tokens)) for r in requests],
+        )
 
     def text(self, request: TraceRequest) -> str:
         return " ".join(f"w{t}" for t in self.tokens(request))
@@ -244,42 +269,56 @@ def output_tokens(request: TraceRequest, count: int) -> list[int]:
     return [rng.choice(VOCAB) for _ in range(count)]
 
 
+def cached_tokens(
+    prompts: Prompts,
+    engines: Sequence[SimEngine],
+    choose: Callable[[int, list[int]], int],
+    after: Callable[[int, list[Event]], None] | None = None,
+) -> list[int]:
+    """Each request's cached prompt tokens, ``prompts`` served one at a time, each on
+    the engine ``choose(i, tokens)`` picks; ``after(engine, events)`` sees each
+    request's events."""
+    cached = []
+    for i, (tokens, output) in enumerate(prompts.jobs):
+        engine = choose(i, tokens)
+        cached.append(engines[engine].serve(tokens, output))
+        if after is not None:
+            after(engine, engines[engine].take_events())
+    return cached
+
+
 def hit_rate(
-    workload: Workload,
-    requests: Sequence[TraceRequest],
+    prompts: Prompts,
     engines: Sequence[SimEngine],
     choose: Callable[[int, list[int]], int],
     after: Callable[[int, list[Event]], None] | None = None,
 ) -> float:
-    """Cached / prompt tokens over ``requests`` served one at a time, each on the engine
-    ``choose(i, tokens)`` picks; ``after(engine, events)`` sees each request's events."""
-    cached = total = 0
-    for i, request in enumerate(requests):
-        tokens = workload.tokens(request)
-        engine = choose(i, tokens)
-        cached += engines[engine].serve(tokens, output_tokens(request, workload.output_tokens))
-        total += len(tokens)
-        if after is not None:
-            after(engine, engines[engine].take_events())
-    return cached / max(1, total)
+    """Cached / prompt tokens over ``prompts`` served as `cached_tokens` says."""
+    return sum(cached_tokens(prompts, engines, choose, after)) / max(1, prompts.prompt_tokens)
 
 
-def pooled_hit_rate(workload: Workload, requests: Sequence[TraceRequest], blocks: int) -> float:
+def pooled_hit_rate(prompts: Prompts, blocks: int) -> float:
     """The offline bound: one cache holding ``blocks`` (all engines' together)."""
-    return hit_rate(workload, requests, [SimEngine(blocks, workload.block_size)], lambda i, t: 0)
+    return sum(pooled_cached(prompts, blocks)) / max(1, prompts.prompt_tokens)
 
 
-def simulate(
-    router: Router,
-    workload: Workload,
-    requests: Sequence[TraceRequest],
-    engines: int,
-    blocks: int,
-) -> float:
-    """``router`` routing ``requests`` over ``engines`` simulated engines of ``blocks``
-    each: it is fed their events and an idle load record (with their capacity) before
-    every request, as from the bus."""
-    fleet = [SimEngine(blocks, workload.block_size) for _ in range(engines)]
+def pooled_cached(prompts: Prompts, blocks: int) -> list[int]:
+    """Each request's cached tokens in `pooled_hit_rate`'s one cache."""
+    return cached_tokens(prompts, [SimEngine(blocks, prompts.block_size)], lambda i, t: 0)
+
+
+def simulate(router: Router, prompts: Prompts, engines: int, blocks: int) -> float:
+    """``router`` routing ``prompts`` over ``engines`` simulated engines of ``blocks``
+    each (see `simulated_cached`): cached / prompt tokens."""
+    cached = simulated_cached(router, prompts, engines, blocks)
+    return sum(cached) / max(1, prompts.prompt_tokens)
+
+
+def simulated_cached(router: Router, prompts: Prompts, engines: int, blocks: int) -> list[int]:
+    """Each request's cached tokens with ``router`` routing ``prompts`` over ``engines``
+    simulated engines of ``blocks`` each: it is fed their events and an idle load record
+    (with their capacity) before every request, as from the bus."""
+    fleet = [SimEngine(blocks, prompts.block_size) for _ in range(engines)]
     names = [f"sim{i}/dp0" for i in range(engines)]
     seqs = [0] * engines
     decisions = []
@@ -303,4 +342,4 @@ def simulate(
         router.apply_kv(message(engine, Kind.KV, KVEventBatch(time.time(), list(events))))
         router.finished(decisions[-1])
 
-    return hit_rate(workload, requests, fleet, choose, after)
+    return cached_tokens(prompts, fleet, choose, after)

@@ -99,9 +99,12 @@ def get_json(url: str) -> Any:
     return json.loads(body) if body else {}
 
 
-def make_model(directory: Path, hidden_size: int = 256, layers: int = 2) -> None:
+def make_model(
+    directory: Path, hidden_size: int = 256, layers: int = 2, max_positions: int = 2048
+) -> None:
     """A small Llama config (load it with ``load_format="dummy"``; the default is tiny)
-    and a word-level tokenizer over w3..w1023 (ids 3..1023) with a chat template."""
+    and a word-level tokenizer over w3..w1023 (ids 3..1023) with a chat template;
+    ``max_positions`` bounds ``--max-model-len``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -112,7 +115,7 @@ def make_model(directory: Path, hidden_size: int = 256, layers: int = 2) -> None
         num_hidden_layers=layers,
         num_attention_heads=hidden_size // 64,
         num_key_value_heads=max(1, hidden_size // 128),
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         torch_dtype="bfloat16",
         bos_token_id=1,
         eos_token_id=2,
@@ -365,6 +368,10 @@ class SimEngine(EngineHttp):
 
     def wait_healthy(self, timeout: float = 300) -> None:
         self.fleet.wait(lambda: get_json(f"{self.url}/health") is not None, timeout, 0.2)
+
+    def state(self) -> dict[str, Any]:
+        """``GET /sim/state``: its running and waiting requests, steps, restarts."""
+        return dict(get_json(f"{self.url}/sim/state"))
 
     def restart(self) -> int:
         """As if its process restarted (new epoch, empty cache); its restarts so far."""

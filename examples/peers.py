@@ -173,6 +173,20 @@ def find_peers(venv: Path | None = None) -> dict[str, list[str]]:
     return peers
 
 
+def installed_runs(venv: Path | None = None) -> list[str]:
+    """The `PEERS` runs whose router is installed (see `find_peers`)."""
+    installed = find_peers(venv)
+    return [name for name, (kind, _) in PEERS.items() if kind in installed]
+
+
+def policies_to_compare(
+    chosen: str | None, venv: Path | None = None, kvbus: tuple[str, ...] = ("kv", "round_robin")
+) -> list[str]:
+    """``chosen`` (comma-separated), else kvbus's ``kvbus`` policies and every installed
+    peer run."""
+    return chosen.split(",") if chosen else [*kvbus, *installed_runs(venv)]
+
+
 def peer_command(
     kind: str,
     policy: str,

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,14 @@ from cluster import (
     free_port,
     make_model,
 )
-from peers import PEERS, PEERS_VENV, VLLM_ROUTER_ENGINE_ARGS, PeerRouter, find_peers
+from peers import (
+    PEERS,
+    PEERS_VENV,
+    VLLM_ROUTER_ENGINE_ARGS,
+    PeerRouter,
+    installed_runs,
+    policies_to_compare,
+)
 
 WARM_UP = " ".join(f"w{i}" for i in range(5, 21))  # 16 tokens, less than a block
 
@@ -191,6 +199,8 @@ class Sim:
 
     profile: str = "instant"
     speedup: float = 1.0
+    args: tuple[str, ...] = ()
+    """More `kvbus sim` options (``--max-num-seqs 64``, say)."""
 
 
 class Cluster:
@@ -205,7 +215,7 @@ class Cluster:
         directory: Path,
         servers: int = 2,
         blocks: int = 40,
-        model: tuple[int, int] = (256, 2),
+        model: tuple[int, ...] = (256, 2),
         max_model_len: int = 512,
         peers: Path | None = None,
         sim: Sim | None = None,
@@ -224,7 +234,7 @@ class Cluster:
             self.fleet = SimFleet(
                 directory, self.model, servers, "", blocks, max_model_len,
                 zmq=bool(peers), profile=sim.profile, speedup=sim.speedup,
-                extra_args=VLLM_ROUTER_ENGINE_ARGS if peers else None,
+                extra_args=[*(VLLM_ROUTER_ENGINE_ARGS if peers else []), *sim.args],
             )  # fmt: skip
             self.servers = self.fleet.engines
             return
@@ -276,12 +286,16 @@ class Cluster:
         )
 
     async def fresh_caches(self) -> None:
-        """Empty every engine's prefix cache. Its AllBlocksCleared is on the bus at once
-        (kvbus's plugin); a short request per engine makes it step, so vLLM's own ZMQ
-        events (vllm-router kv_aware) carry it too before the next router starts."""
-        for server in self.servers:
+        """Empty every engine's prefix cache, all engines at once. Its AllBlocksCleared is
+        on the bus at once (kvbus's plugin); a short request per engine makes it step, so
+        vLLM's own ZMQ events (vllm-router kv_aware) carry it too before the next router
+        starts."""
+
+        async def fresh(server: VllmServer | SimEngine) -> None:
             await asyncio.to_thread(server.reset_prefix_cache)
             await asyncio.to_thread(server.complete, WARM_UP)
+
+        await asyncio.gather(*(fresh(server) for server in self.servers))
 
     def start_router(self, policy: str, extra: Sequence[str] = ()) -> RouterProcess | PeerRouter:
         """The router of ``policy`` (kvbus's, or a peer run of `PEERS`), ready;
@@ -308,13 +322,13 @@ class Cluster:
             raise
         return router
 
-    async def run_policy(
-        self, policy: str, requests: list[Request], concurrency: int, replicas: int = 1
-    ) -> Row:
-        """The requests through ``replicas`` routers of ``policy`` (each request to the
-        next one), on freshly emptied caches. kvbus's replicas share their requests in
-        flight on the bus (``--routes-stream``), except for policy ``kv-unshared``."""
-        await self.fresh_caches()
+    @contextlib.asynccontextmanager
+    async def routers(
+        self, policy: str, replicas: int = 1
+    ) -> AsyncIterator[list[RouterProcess | PeerRouter]]:
+        """``replicas`` routers of ``policy``, ready, stopped on leaving. kvbus's replicas
+        share their requests in flight on the bus (``--routes-stream``), except for
+        policy ``kv-unshared``; a peer's replicas are independent instances."""
         routers: list[RouterProcess | PeerRouter] = []
         try:
             for number in range(replicas):
@@ -324,14 +338,23 @@ class Cluster:
                 elif policy not in PEERS and replicas > 1:
                     extra = ["--routes-stream", "routes", "--replica", f"replica-{number}"]
                 routers.append(await asyncio.to_thread(self.start_router, name, extra))
+            yield routers
+        finally:
+            for router in routers:
+                router.stop()
+
+    async def run_policy(
+        self, policy: str, requests: list[Request], concurrency: int, replicas: int = 1
+    ) -> Row:
+        """The requests through ``replicas`` routers of ``policy`` (each request to the
+        next one, see `routers`), on freshly emptied caches."""
+        await self.fresh_caches()
+        async with self.routers(policy, replicas) as routers:
             hits, queries = self.engine_counters()
             started = time.perf_counter()
             results = await run([r.url for r in routers], requests, str(self.model), concurrency)
             seconds = time.perf_counter() - started
             hits_after, queries_after = self.engine_counters()
-        finally:
-            for router in routers:
-                router.stop()
         engine_hit_rate = (hits_after - hits) / max(1.0, queries_after - queries)
         return Row(policy, results, engine_hit_rate, seconds)
 
@@ -378,11 +401,8 @@ async def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="of the dummy Llama")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    installed = find_peers(args.peers)
-    peers = [name for name, (kind, _) in PEERS.items() if kind in installed]
-    policies = args.policies.split(",") if args.policies else ["kv", "round_robin", "random"]
-    if not args.policies:
-        policies += peers
+    peers = installed_runs(args.peers)
+    policies = policies_to_compare(args.policies, args.peers, ("kv", "round_robin", "random"))
     requests = workload(args.seed, args.tenants, args.rounds)
     with tempfile.TemporaryDirectory(prefix="kvbus-demo-") as tmp:
         cluster = Cluster(

@@ -8,8 +8,8 @@ import pytest
 
 from bench.mooncake import (
     SLICE,
+    Prompts,
     SimEngine,
-    TraceRequest,
     Workload,
     hit_rate,
     load_trace,
@@ -19,7 +19,7 @@ from bench.mooncake import simulate as simulate_router
 from kvbus.routing.router import CostWeights, Router
 
 ENGINES = 4
-Setting = tuple[Workload, list[TraceRequest], int]
+Setting = tuple[Prompts, int]
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +27,16 @@ def setting() -> Setting:
     requests = load_trace(SLICE)
     workload = Workload()
     blocks = workload.working_set(requests) // 5  # each cache a fifth of the working set
-    return workload, requests, blocks
+    return workload.prompts(requests), blocks
 
 
 def test_kv_policy_reaches_the_offline_bound(setting: Setting) -> None:
-    workload, requests, blocks = setting
-    bound = pooled_hit_rate(workload, requests, ENGINES * blocks)
-    unlimited = pooled_hit_rate(workload, requests, 10**6)
-    kv = simulate_router(Router(block_size=32), workload, requests, ENGINES, blocks)
+    prompts, blocks = setting
+    bound = pooled_hit_rate(prompts, ENGINES * blocks)
+    unlimited = pooled_hit_rate(prompts, 10**6)
+    kv = simulate_router(Router(block_size=32), prompts, ENGINES, blocks)
     engines = [SimEngine(blocks) for _ in range(ENGINES)]
-    round_robin = hit_rate(workload, requests, engines, lambda i, tokens: i % ENGINES)
+    round_robin = hit_rate(prompts, engines, lambda i, tokens: i % ENGINES)
     assert 0.5 < bound <= unlimited
     assert kv >= 0.98 * bound, (kv, bound)
     assert kv > 1.5 * round_robin, (kv, round_robin)
@@ -47,8 +47,8 @@ def test_prefix_alone_thrashes_the_cache_holding_the_shared_prompt(
 ) -> None:
     """Every request of the trace starts with the same block (a system prompt): weighing
     only the prefix sends new conversations to whichever worker holds it."""
-    workload, requests, blocks = setting
+    prompts, blocks = setting
     blind = Router(weights=CostWeights(eviction=0), block_size=32)
-    prefix_only = simulate_router(blind, workload, requests, ENGINES, blocks)
-    kv = simulate_router(Router(block_size=32), workload, requests, ENGINES, blocks)
+    prefix_only = simulate_router(blind, prompts, ENGINES, blocks)
+    kv = simulate_router(Router(block_size=32), prompts, ENGINES, blocks)
     assert prefix_only < 0.6 * kv, (prefix_only, kv)
