@@ -33,13 +33,14 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Final, Protocol
+from typing import Final
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvbus.logs import LimitedLog, shown
+from kvbus.routing.in_flight import RequestsInFlight, Routed
 from kvbus.routing.index import PrefixIndex
 from kvbus.routing.pace import WorkerPace
 from kvbus.wire.events import LoadMetrics
@@ -52,18 +53,6 @@ a few million); a larger claim counts as this many (``Router.load_clamped``)."""
 LoadCost = Callable[[float, int, int, float], float]
 """A worker's load cost from (blocks this router's queued requests still prefill there,
 its requests streaming there, other requests there, KV cache usage): the cost model's."""
-
-
-class Routed(Protocol):
-    """A request counted on a worker (`kvbus.routing.cost.Decision` is one)."""
-
-    worker: str
-    number: int
-    """The worker's number in the index."""
-    keys: list[int]
-    prefill_blocks: float
-    new_blocks: int
-    streaming: bool
 
 
 class FleetState:
@@ -81,7 +70,6 @@ class FleetState:
     ) -> None:
         self.index = index
         self.stale_after = stale_after
-        self.linger = linger
         self.load_clamped = 0
         """Load records with a figure out of range (`MAX_KV_CACHE_BLOCKS`, a KV usage
         outside 0..1 or not a number), applied with it clamped."""
@@ -107,21 +95,11 @@ class FleetState:
         self.from_engine: set[int] = set()
         """workers whose latest load record came from their own endpoint"""
         self._down_until: dict[int, float] = {}
-        self._queued: dict[int, list[float]] = {}
-        """worker -> [requests of this router not streaming yet, their blocks to prefill]"""
-        self._streaming: dict[int, int] = {}
-        """worker -> requests of this router streaming (decoding)"""
-        self.pending: dict[int, dict[int, int]] = {}
-        """worker -> {block key of a request in flight -> requests}"""
-        self.pending_masks: dict[int, int] = {}
-        """block key -> mask of the workers it is pending on (index-style, for matching)"""
-        self._finishing: deque[tuple[float, Routed]] = deque()
-        self._finishing_on: dict[int, int] = {}
-        """worker -> its requests in ``_finishing`` (a clear of a worker with none is O(1))"""
-        self._ended: deque[tuple[float, int]] = deque()
-        """(until, worker) of requests of this router that ended less than ``linger``
-        ago: the engine's next load record may still count them"""
-        self._ended_count: dict[int, int] = {}
+        self.requests = RequestsInFlight(index, clock, linger)
+        """this router's requests on each worker until they end, and their prompt blocks
+        (``pending``, ``pending_masks``: what the cost model matches beside the index)"""
+        self.pending = self.requests.pending
+        self.pending_masks = self.requests.pending_masks
         self.pace = WorkerPace()
         """each worker's time to first token per block ahead, relative to the fleet's"""
 
@@ -228,23 +206,6 @@ class FleetState:
         self.pace.forget(number)  # a restarted engine may run on other hardware
         self.refresh(number)
 
-    def cleared(self, worker: str) -> None:
-        """``worker``'s engine emptied its cache (a reset, a restart): the blocks its
-        finished requests left assumed there (``linger``) are gone, as its events say.
-        Requests still in flight keep theirs: they cache them after the clear."""
-        number = self.index.worker_number(worker)
-        # A scan of the requests that ended within ``linger``, once per clear that finds
-        # some: a flood of clears from one engine costs O(1) each after the first.
-        if not self._finishing_on.pop(number, 0):
-            return
-        kept: deque[tuple[float, Routed]] = deque()
-        for until, request in self._finishing:
-            if request.number == number:
-                self._release(number, request.keys)
-            else:
-                kept.append((until, request))
-        self._finishing = kept
-
     def mark_down(self, worker: str, seconds: float) -> None:
         """Send ``worker`` nothing for ``seconds``."""
         number = self.index.worker_number(worker)
@@ -271,7 +232,7 @@ class FleetState:
             self.load[number] = np.inf
             return
         queued_blocks = self.queued_blocks(number)
-        streaming = self._streaming.get(number, 0)
+        streaming = self.requests.streaming(number)
         self.load[number] = self._load_cost(
             queued_blocks, streaming, self._others(number, metrics), metrics.kv_cache_usage
         )
@@ -279,17 +240,14 @@ class FleetState:
     def _others(self, number: int, metrics: LoadMetrics) -> int:
         """Requests on the worker that this router did not send (the engine's count,
         less this router's: its queued, streaming and just ended ones)."""
-        queued = self._queued.get(number)
-        ours = int(queued[0] if queued else 0) + self._streaming.get(number, 0)
-        ours += self._ended_count.get(number, 0)
-        return max(0, metrics.running + metrics.waiting - ours)
+        return max(0, metrics.running + metrics.waiting - self.requests.ours(number))
 
     def busy(self, number: int) -> int:
         """Requests a new one would share the worker's steps with, besides the prefill
         queued ahead of it: this router's streaming there and everyone else's."""
         metrics = self._metrics.get(number)
         others = self._others(number, metrics) if metrics is not None else 0
-        return self._streaming.get(number, 0) + others
+        return self.requests.streaming(number) + others
 
     # --- who may get traffic ---------------------------------------------------------
 
@@ -315,96 +273,47 @@ class FleetState:
 
     # --- requests in flight ----------------------------------------------------------
 
+    @property
+    def linger(self) -> float:
+        return self.requests.linger
+
+    @linger.setter
+    def linger(self, seconds: float) -> None:
+        self.requests.linger = seconds
+
     def queued_blocks(self, number: int) -> float:
         """Blocks this router's requests not streaming yet still prefill on a worker."""
-        queued = self._queued.get(number)
-        return queued[1] if queued else 0.0
+        return self.requests.queued_blocks(number)
 
     def assign(self, request: Routed) -> None:
         """Count ``request`` on its worker until it finishes: queued for prefill, its
         blocks about to be cached there."""
-        number = request.number
-        queued = self._queued.setdefault(number, [0, 0.0])
-        queued[0] += 1
-        queued[1] += request.prefill_blocks
-        self.inserted[number] += request.new_blocks
-        pending = self.pending.setdefault(number, {})
-        masks, bit = self.pending_masks, 1 << number
-        for key in request.keys:
-            count = pending.get(key, 0)
-            if not count:
-                masks[key] = masks.get(key, 0) | bit
-            pending[key] = count + 1
-        self.refresh(number)
+        self.inserted[request.number] += request.new_blocks
+        self.requests.assign(request)
+        self.refresh(request.number)
 
     def started(self, request: Routed) -> None:
         """``request`` started streaming (not yet marked so): its prefill is done."""
-        request.streaming = True
-        number = request.number
-        queued = self._queued[number]
-        queued[0] -= 1
-        queued[1] = max(0.0, queued[1] - request.prefill_blocks)
-        self._streaming[number] = self._streaming.get(number, 0) + 1
-        self.refresh(number)
+        self.requests.started(request)
+        self.refresh(request.number)
 
     def finished(self, request: Routed) -> None:
         """``request`` ended (any way): its load goes now, its prefix blocks stay
         assumed for ``linger`` seconds, until the engine's events tell."""
         number = request.number
-        if request.streaming:
-            self._streaming[number] -= 1
-        else:
-            queued = self._queued[number]
-            queued[0] -= 1
-            queued[1] = max(0.0, queued[1] - request.prefill_blocks)
         # Its new blocks are in the engine's events by now (or were never cached).
         self.inserted[number] = max(0.0, self.inserted[number] - request.new_blocks)
         request.new_blocks = 0
-        now = self._clock()
-        self._ended.append((now + self.linger, number))
-        self._ended_count[number] = self._ended_count.get(number, 0) + 1
+        self.requests.finished(request)
         self.refresh(number)
-        # Blocks the engine's events already reported are the index's business from now
-        # on (they may be evicted as soon as the request ends); the rest linger.
-        held: list[int] = []
-        unconfirmed: list[int] = []
-        for key in request.keys:
-            (held if self.index.holds(request.worker, key) else unconfirmed).append(key)
-        self._release(number, held)
-        if unconfirmed:
-            request.keys = unconfirmed
-            self._finishing.append((now + self.linger, request))
-            self._finishing_on[number] = self._finishing_on.get(number, 0) + 1
 
     def expire(self, now: float) -> None:
         """Let go of what ended more than ``linger`` seconds before ``now``."""
-        while self._finishing and self._finishing[0][0] <= now:
-            _, request = self._finishing.popleft()
-            left = self._finishing_on.get(request.number, 0) - 1
-            if left > 0:
-                self._finishing_on[request.number] = left
-            else:
-                self._finishing_on.pop(request.number, None)
-            self._release(request.number, request.keys)
-        while self._ended and self._ended[0][0] <= now:
-            _, number = self._ended.popleft()
-            self._ended_count[number] -= 1
+        for number in self.requests.expire(now):
             self.refresh(number)
 
-    def _release(self, number: int, keys: list[int]) -> None:
-        pending = self.pending.get(number)
-        if pending is None:
-            return
-        masks, bit = self.pending_masks, 1 << number
-        for key in keys:
-            left = pending.get(key, 0) - 1
-            if left > 0:
-                pending[key] = left
-            elif pending.pop(key, None) is not None:
-                mask = masks.get(key, 0) & ~bit
-                if mask:
-                    masks[key] = mask
-                else:
-                    masks.pop(key, None)
-        if not pending:
-            del self.pending[number]
+    def cleared(self, worker: str) -> None:
+        """``worker``'s engine emptied its cache (a reset, a restart): the blocks its
+        finished requests left assumed there (``linger``) are gone, as its events say.
+        Requests still in flight keep theirs: they cache them after the clear."""
+        self.requests.cleared(self.index.worker_number(worker))

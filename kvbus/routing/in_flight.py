@@ -1,0 +1,183 @@
+"""`RequestsInFlight`: this router's requests on each worker until they end, and the
+prompt blocks they are about to cache there.
+
+A request just routed counts on its worker as queued (its blocks still to prefill)
+until it starts streaming, then as streaming (a decode slot) until it ends; for
+``linger`` seconds after it ends it still counts as the worker's, since the engine's
+next load record may predate its end. Its prompt's block keys are *pending* on the
+worker from the moment it is routed (``pending``, and ``pending_masks`` in the index's
+holder-mask form, which `kvbus.routing.cost.CostModel` matches beside the index), so
+that a burst of similar requests does not all miss before the engine's events arrive.
+When it ends, the keys the engine's events already reported are the index's business;
+the rest stay pending for ``linger`` seconds, or until the engine's cache empties
+(`RequestsInFlight.cleared`).
+
+`kvbus.routing.fleet_state.FleetState` owns one and turns these counts into each
+worker's load cost; nothing here reads a clock but the caller's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from kvbus.routing.index import PrefixIndex
+
+
+class Routed(Protocol):
+    """A request counted on a worker (`kvbus.routing.cost.Decision` is one)."""
+
+    worker: str
+    number: int
+    """The worker's number in the index."""
+    keys: list[int]
+    prefill_blocks: float
+    new_blocks: int
+    streaming: bool
+
+
+class RequestsInFlight:
+    """Per worker (by the index's number): this router's requests queued, streaming
+    and just ended there, and their prompt blocks pending."""
+
+    def __init__(self, index: PrefixIndex, clock: Callable[[], float], linger: float) -> None:
+        self.index = index
+        self.linger = linger
+        self._clock = clock
+        self._queued: dict[int, list[float]] = {}
+        """worker -> [requests of this router not streaming yet, their blocks to prefill]"""
+        self._streaming: dict[int, int] = {}
+        """worker -> requests of this router streaming (decoding)"""
+        self.pending: dict[int, dict[int, int]] = {}
+        """worker -> {block key of a request in flight -> requests}"""
+        self.pending_masks: dict[int, int] = {}
+        """block key -> mask of the workers it is pending on (index-style, for matching)"""
+        self._finishing: deque[tuple[float, Routed]] = deque()
+        self._finishing_on: dict[int, int] = {}
+        """worker -> its requests in ``_finishing`` (a clear of a worker with none is O(1))"""
+        self._ended: deque[tuple[float, int]] = deque()
+        """(until, worker) of requests of this router that ended less than ``linger``
+        ago: the engine's next load record may still count them"""
+        self._ended_count: dict[int, int] = {}
+
+    # --- counts ----------------------------------------------------------------------
+
+    def queued_blocks(self, number: int) -> float:
+        """Blocks this router's requests not streaming yet still prefill on a worker."""
+        queued = self._queued.get(number)
+        return queued[1] if queued else 0.0
+
+    def streaming(self, number: int) -> int:
+        """This router's requests streaming (decoding) on a worker."""
+        return self._streaming.get(number, 0)
+
+    def ours(self, number: int) -> int:
+        """This router's requests the worker's engine may be counting: queued,
+        streaming, and ended within ``linger``."""
+        queued = self._queued.get(number)
+        count = int(queued[0]) if queued else 0
+        return count + self._streaming.get(number, 0) + self._ended_count.get(number, 0)
+
+    # --- a request's life ------------------------------------------------------------
+
+    def assign(self, request: Routed) -> None:
+        """Count ``request`` on its worker until it finishes: queued for prefill, its
+        blocks about to be cached there."""
+        number = request.number
+        queued = self._queued.setdefault(number, [0, 0.0])
+        queued[0] += 1
+        queued[1] += request.prefill_blocks
+        pending = self.pending.setdefault(number, {})
+        masks, bit = self.pending_masks, 1 << number
+        for key in request.keys:
+            count = pending.get(key, 0)
+            if not count:
+                masks[key] = masks.get(key, 0) | bit
+            pending[key] = count + 1
+
+    def started(self, request: Routed) -> None:
+        """``request`` started streaming (not yet marked so): its prefill is done."""
+        request.streaming = True
+        number = request.number
+        queued = self._queued[number]
+        queued[0] -= 1
+        queued[1] = max(0.0, queued[1] - request.prefill_blocks)
+        self._streaming[number] = self._streaming.get(number, 0) + 1
+
+    def finished(self, request: Routed) -> None:
+        """``request`` ended (any way): its prefix blocks stay pending for ``linger``
+        seconds, but for those the engine's events already reported."""
+        number = request.number
+        if request.streaming:
+            self._streaming[number] -= 1
+        else:
+            queued = self._queued[number]
+            queued[0] -= 1
+            queued[1] = max(0.0, queued[1] - request.prefill_blocks)
+        now = self._clock()
+        self._ended.append((now + self.linger, number))
+        self._ended_count[number] = self._ended_count.get(number, 0) + 1
+        # Blocks the engine's events already reported are the index's business from now
+        # on (they may be evicted as soon as the request ends); the rest linger.
+        held: list[int] = []
+        unconfirmed: list[int] = []
+        for key in request.keys:
+            (held if self.index.holds(request.worker, key) else unconfirmed).append(key)
+        self._release(number, held)
+        if unconfirmed:
+            request.keys = unconfirmed
+            self._finishing.append((now + self.linger, request))
+            self._finishing_on[number] = self._finishing_on.get(number, 0) + 1
+
+    def expire(self, now: float) -> set[int]:
+        """Let go of what ended more than ``linger`` seconds before ``now``; returns
+        the workers whose count of requests just ended changed."""
+        while self._finishing and self._finishing[0][0] <= now:
+            _, request = self._finishing.popleft()
+            left = self._finishing_on.get(request.number, 0) - 1
+            if left > 0:
+                self._finishing_on[request.number] = left
+            else:
+                self._finishing_on.pop(request.number, None)
+            self._release(request.number, request.keys)
+        changed: set[int] = set()
+        while self._ended and self._ended[0][0] <= now:
+            _, number = self._ended.popleft()
+            self._ended_count[number] -= 1
+            changed.add(number)
+        return changed
+
+    def cleared(self, number: int) -> None:
+        """Worker ``number``'s engine emptied its cache: what its finished requests left
+        pending there is gone. Requests still in flight keep theirs: they cache them
+        after the clear."""
+        # A scan of the requests that ended within ``linger``, once per clear that finds
+        # some: a flood of clears from one engine costs O(1) each after the first.
+        if not self._finishing_on.pop(number, 0):
+            return
+        kept: deque[tuple[float, Routed]] = deque()
+        for until, request in self._finishing:
+            if request.number == number:
+                self._release(number, request.keys)
+            else:
+                kept.append((until, request))
+        self._finishing = kept
+
+    def _release(self, number: int, keys: list[int]) -> None:
+        pending = self.pending.get(number)
+        if pending is None:
+            return
+        masks, bit = self.pending_masks, 1 << number
+        for key in keys:
+            left = pending.get(key, 0) - 1
+            if left > 0:
+                pending[key] = left
+            elif pending.pop(key, None) is not None:
+                mask = masks.get(key, 0) & ~bit
+                if mask:
+                    masks[key] = mask
+                else:
+                    masks.pop(key, None)
+        if not pending:
+            del self.pending[number]
