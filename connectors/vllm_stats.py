@@ -124,6 +124,7 @@ class KvbusStatLogger(StatLoggerBase):
                 connector_prefix_cache_queries=connector_queries,
                 connector_prefix_cache_hits=connector_hits,
                 kv_cache_blocks=self._kv_cache_blocks(),
+                block_size=int(self.vllm_config.cache_config.block_size or 0),
             ),
             Kind.METRICS,
         )

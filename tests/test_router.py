@@ -411,3 +411,29 @@ def test_replicas_that_share_nothing_send_a_new_prefix_to_the_same_worker() -> N
     r.apply_kv(kv(other, stored([1, 2], prompt[:8])))
     decision = r.route(prompt)
     assert decision is not None and decision.worker == other, decision.explain()
+
+
+def test_a_load_record_names_the_block_size_before_any_event() -> None:
+    """A router given no block size learned it from the first BlockStored: until then
+    prompts had no keys, every worker tied at 0 held and a first burst scattered. The
+    stat logger's load record now names it."""
+    r = Router("kv", seed=1, clock=Clock())  # no block_size
+    for worker in ("a", "b", "c", "d"):
+        body = LoadMetrics(ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0)
+        r.apply_metrics(Message(worker, 1, 1, Kind.METRICS, 0.0, body, b"", 0))
+    assert r.route(PROMPT) is not None and r.index.block_size is None  # blind, as before
+    forged = (0, -4, 1 << 30)
+    for size in (*forged, B):
+        body = LoadMetrics(
+            ts=time.time(), running=0, waiting=0, kv_cache_usage=0.0, block_size=size
+        )
+        r.apply_metrics(Message("a", 1, 2, Kind.METRICS, 0.0, body, b"", 0))
+        assert r.index.block_size == (B if size == B else None)
+    burst = [r.route(PROMPT) for _ in range(8)]
+    assert all(d is not None for d in burst)
+    decided = [d for d in burst if d is not None]
+    assert {d.worker for d in decided} == {decided[0].worker}
+    assert [d.matched_tokens for d in decided][1:] == [32] * 7
+    # The engines' own events decide once they come: a store of another size wins.
+    r.apply_kv(kv("b", BlockStored([1], None, PROMPT[:8], 8, None, "GPU", None)))
+    assert r.index.block_size == 8

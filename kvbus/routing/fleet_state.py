@@ -41,7 +41,7 @@ import numpy.typing as npt
 
 from kvbus.logs import LimitedLog, shown
 from kvbus.routing.in_flight import RequestsInFlight, Routed
-from kvbus.routing.index import PrefixIndex
+from kvbus.routing.index import MAX_BLOCK_SIZE, PrefixIndex
 from kvbus.routing.pace import WorkerPace
 from kvbus.wire.events import LoadMetrics
 
@@ -142,6 +142,10 @@ class FleetState:
             self.capacity[number] = metrics.kv_cache_blocks
             # The index then holds no more of this worker's blocks than its engine can.
             self.index.set_capacity(worker, metrics.kv_cache_blocks)
+        if 0 < metrics.block_size <= MAX_BLOCK_SIZE:
+            # Prompts get keys before any engine's first store: else every worker ties
+            # at 0 held and a first burst scatters before its blocks are pending anywhere.
+            self.index.hint_block_size(metrics.block_size)
         self.refresh(number)
 
     def apply_engine_load(self, worker: str, metrics: LoadMetrics) -> None:

@@ -253,6 +253,11 @@ class _Holders:
     def worker_name(self, number: int) -> str:
         return self._names[number]
 
+    def hint_block_size(self, block_size: int) -> None:
+        """An engine says its blocks hold ``block_size`` tokens: key prompts so until
+        the first store (a configured block size, or any store, wins)."""
+        self._profiles.hint(block_size)
+
     def worker_count(self) -> int:
         """Workers numbered so far (`worker_number`): numbers ``0..count-1``."""
         return len(self._names)

@@ -140,6 +140,13 @@ class Profiles:
         a worker's blocks are keyed with its own pair only, so the keys of one pair find
         no other's workers."""
 
+    def hint(self, block_size: int) -> None:
+        """Key prompts with ``block_size`` until a store says how the fleet keys (an
+        engine's load record names its block size before its first event)."""
+        if self.configured_block_size is None and not self.counts and self.fleet[0] is None:
+            self.fleet = (block_size, 0)
+            self.in_query_order = self._query_order()
+
     def admits(self, profile: tuple[int, int]) -> bool:
         return profile in self.counts or len(self.counts) < MAX_PROFILES
 

@@ -137,6 +137,9 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     connector_prefix_cache_hits: int = 0
     kv_cache_blocks: int = 0
     """Blocks in the engine's KV cache (its capacity); 0: not reported."""
+    block_size: int = 0
+    """Tokens per KV cache block (vLLM's ``--block-size``), so that a router keys prompts
+    before the engine's first ``BlockStored``; 0: not reported."""
 
 
 # --- connector payloads, published by kvbus.connectors.vllm_connector -----------------
