@@ -732,6 +732,10 @@ async def run_fleet(
         )  # fmt: skip
         # As the peers' (no access log); debug: each decision's Decision.explain().
         cluster.router_args = ["--log-level", "debug" if args.router_debug else "warning"]
+        if args.kvbus_block_size:
+            # As the peers are told theirs (vllm-router's --kv-event-block-size): without
+            # it kvbus learns it from the first BlockStored, and routes blind until then.
+            cluster.router_args += ["--block-size", str(BLOCK)]
         started = time.monotonic()
         cluster.start()
         say(f"  {scenario.engines} engines x {scenario.blocks} blocks, speedup {speedup:g}, "
@@ -850,6 +854,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace-engines", type=int, default=16, help="(b)")
     parser.add_argument("--json", type=Path, help="write every request's figures here")
     parser.add_argument("--logs", type=Path, help="keep the processes' logs here")
+    parser.add_argument(
+        "--kvbus-block-size", action=argparse.BooleanOptionalAction, default=True,
+        help="give kvbus's routers the engines' block size (default; --no-kvbus-block-size: "
+        "they learn it from the first KV event, as the figures of 2026-11-25 did)",
+    )  # fmt: skip
     parser.add_argument(
         "--router-debug", action="store_true",
         help="kvbus's routers log every decision with its reason (with --logs; costs CPU)",
