@@ -38,8 +38,16 @@ policy with exact knowledge of every cache, whichever is higher; bench/mooncake.
 and the CPU: the busiest process's share of one core (the sim, a router, nats-server
 or this client; over ~70% it, not the routing, limits TTFT) and the machine's.
 
+The vllm-router runs go on a fleet of their own at a quarter of ``--speedup``
+(``--speedup-for``): vllm-router renders each prompt on every engine, which on one sim
+process costs 8 tokenizations a request. Time on 2 cores: about 28 min for (a) and (e),
+as long again for the other four (the vllm-router rows take about 60% of it); ``--quick``
+runs (a) and (e) once, half as long (about 8 min, estimated);
+``--routers`` picks fewer.
+
     python bench/bench_fleet_routing.py [--quick] [--scenarios a,e,c,f,d,b]
-        [--routers kv,round_robin,sglang-cache_aware,...] [--repetitions 3] [--json FILE]
+        [--routers kv,round_robin,sglang-cache_aware,...] [--repetitions N] [--json FILE]
+        [--logs DIR [--router-debug]] [--trace .../conversation_trace.jsonl]
 """
 
 from __future__ import annotations
@@ -622,7 +630,7 @@ def scenario_b(args: argparse.Namespace) -> Scenario:
     """The Mooncake trace from ``--trace-start`` s on, its arrival times compressed by
     ``--trace-speed``; each trace block id is ``--trace-id-tokens`` tokens."""
     if not args.trace.is_file():
-        raise SystemExit(f"(b): no trace at {args.trace} (--trace)")
+        raise FileNotFoundError(f"no trace at {args.trace} (--trace)")
     trace = [
         r for r in load_trace_timed(args.trace)
         if args.trace_start <= r[0] / 1000 < args.trace_start + args.trace_seconds
@@ -722,7 +730,12 @@ async def run_fleet(
             peers=(args.peers or PEERS_VENV) if peers else None,
             sim=Sim(args.profile, speedup, scenario.sim_args),
         )  # fmt: skip
-        cluster.router_args = ["--log-level", "warning"]  # as the peers' (no access log)
+        # As the peers' (no access log); debug: each decision's Decision.explain().
+        cluster.router_args = ["--log-level", "debug" if args.router_debug else "warning"]
+        if args.kvbus_block_size:
+            # As the peers are told theirs (vllm-router's --kv-event-block-size): without
+            # it kvbus learns it from the first BlockStored, and routes blind until then.
+            cluster.router_args += ["--block-size", str(BLOCK)]
         started = time.monotonic()
         cluster.start()
         say(f"  {scenario.engines} engines x {scenario.blocks} blocks, speedup {speedup:g}, "
@@ -781,13 +794,18 @@ def say(line: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenarios", default="a,e", help="of a,e,c,f,d,b (default a,e)")
+    parser.add_argument(
+        "--scenarios", help="of a,e,c,f,d,b, comma-separated (default all; --quick: a,e)"
+    )
     parser.add_argument("--routers", help="default: kv,round_robin and every installed peer's")
     parser.add_argument("--peers", type=Path, help="venv of the peers (default .venv-peers)")
     parser.add_argument(
         "--repetitions", type=int, help="default 3 for (a) and (e), 2 for the others"
     )
-    parser.add_argument("--quick", action="store_true", help="a few minutes: short, 1 repetition")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="a few minutes: (a) and (e) unless --scenarios, 1 repetition, half as long",
+    )  # fmt: skip
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument(
         "--profile", default="2xh100-qwen3-32b",
@@ -836,11 +854,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace-engines", type=int, default=16, help="(b)")
     parser.add_argument("--json", type=Path, help="write every request's figures here")
     parser.add_argument("--logs", type=Path, help="keep the processes' logs here")
+    parser.add_argument(
+        "--kvbus-block-size", action=argparse.BooleanOptionalAction, default=True,
+        help="give kvbus's routers the engines' block size (default; --no-kvbus-block-size: "
+        "they learn it from the first KV event, as the figures of 2026-11-25 did)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--router-debug", action="store_true",
+        help="kvbus's routers log every decision with its reason (with --logs; costs CPU)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.speedup_for is None:
         args.speedup_for = [(name, args.speedup / 4) for name in PEERS if "vllm-router" in name]
     if args.quick:
         args.repetitions = 1
+        args.scenarios = args.scenarios or "a,e"
+        args.stage_seconds /= 2
+        args.run_seconds /= 2
+        args.trace_seconds /= 2
+    args.scenarios = args.scenarios or "a,e,c,f,d,b"
     return args
 
 
@@ -850,7 +882,11 @@ async def main() -> None:
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "scenarios": {}}
     out = []
     for key in args.scenarios.split(","):
-        scenario = SCENARIOS[key](args)
+        try:
+            scenario = SCENARIOS[key](args)
+        except FileNotFoundError as error:
+            say(f"({key}) skipped: {error}")
+            continue
         say(f"({key}) {scenario.title}: {', '.join(policies)}")
         runs, plans, bounds = await run_scenario(scenario, policies, args)
         slower = ", ".join(
@@ -862,7 +898,8 @@ async def main() -> None:
             f"\n({key}) {scenario.title}; {scenario.engines} engines x {scenario.blocks} KV "
             f"blocks of {BLOCK} ({args.profile}, speedup {args.speedup:g}"
             f"{f'; {slower}' if slower else ''}), "
-            f"{len(plans)} repetition(s); SLO TTFT <= {args.slo:g} s\n"
+            f"{len(plans)} repetition(s); SLO TTFT <= {args.slo:g} s"
+            f"{f'; {scenario.notes}' if scenario.notes else ''}\n"
             + table(runs, plans, bounds, args.slo, args.timeout)
         )
         report["scenarios"][key] = {
