@@ -733,8 +733,8 @@ async def run_fleet(
         # As the peers' (no access log); debug: each decision's Decision.explain().
         cluster.router_args = ["--log-level", "debug" if args.router_debug else "warning"]
         if args.kvbus_block_size:
-            # As the peers are told theirs (vllm-router's --kv-event-block-size): without
-            # it kvbus learns it from the first BlockStored, and routes blind until then.
+            # As the peers are told theirs (vllm-router's --kv-event-block-size); without
+            # it kvbus learns it from the engines' load records (LoadMetrics.block_size).
             cluster.router_args += ["--block-size", str(BLOCK)]
         started = time.monotonic()
         cluster.start()
@@ -855,9 +855,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write every request's figures here")
     parser.add_argument("--logs", type=Path, help="keep the processes' logs here")
     parser.add_argument(
-        "--kvbus-block-size", action=argparse.BooleanOptionalAction, default=True,
-        help="give kvbus's routers the engines' block size (default; --no-kvbus-block-size: "
-        "they learn it from the first KV event, as the figures of 2026-11-25 did)",
+        "--kvbus-block-size", action=argparse.BooleanOptionalAction, default=False,
+        help="give kvbus's routers the engines' block size (default: they learn it from "
+        "the engines' load records; before LoadMetrics.block_size, from the first KV event)",
     )  # fmt: skip
     parser.add_argument(
         "--router-debug", action="store_true",
