@@ -232,3 +232,16 @@ def lost_seqs(items: Iterable[object]) -> set[int]:
         if isinstance(i, kvbus.Resync) and i.lost:
             out.update(range(i.lost[0], i.lost[1] + 1))
     return out
+
+
+class BatchRecorder:
+    """An event publisher standing in for vLLM's own ZMQ one: keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        pass

@@ -27,6 +27,7 @@ from kvbus.routing.index import PrefixIndex
 from kvbus.sim.timing import Profile, TimingModel
 from kvbus.wire.events import SourceStarted, SourceStopped
 
+from .conftest import BatchRecorder
 from .servers import NatsServer
 
 BLOCK = 16
@@ -378,17 +379,7 @@ def test_vllms_zmq_events_carry_a_reset_with_the_next_step_as_vllms_own_do() -> 
 
     from kvbus.sim.engine import _Publishers
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.batches: list[Any] = []
-
-        def publish(self, batch: Any) -> None:
-            self.batches.append(batch)
-
-        def shutdown(self) -> None:
-            pass
-
-    bus, zmq_side = KvbusEventPublisher(0, url="memory://sim-zmq-reset"), Recorder()
+    bus, zmq_side = KvbusEventPublisher(0, url="memory://sim-zmq-reset"), BatchRecorder()
     publishers = _Publishers([bus, zmq_side])  # type: ignore[list-item]
     try:
         stored = Stored([7], None, list(range(BLOCK)), BLOCK, None, "GPU", None)

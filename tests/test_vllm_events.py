@@ -20,7 +20,7 @@ import kvbus
 from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, Message, Resync
 from kvbus.routing.index import PrefixIndex
 
-from .conftest import Bus, collect, in_process_engine_env
+from .conftest import BatchRecorder, Bus, collect, in_process_engine_env
 from .servers import free_port
 
 PLUGIN_URL = "memory://vllm-plugin"
@@ -507,18 +507,8 @@ def test_keep_zmq_gets_a_reset_with_the_next_step_as_without_kvbus(memory_url: s
     from vllm.distributed.kv_events import BlockStored as VllmStored
     from vllm.distributed.kv_events import KVEventBatch as VllmBatch
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.batches: list[Any] = []
-
-        def publish(self, batch: Any) -> None:
-            self.batches.append(batch)
-
-        def shutdown(self) -> None:
-            pass
-
     publisher = KvbusEventPublisher(0, url=memory_url)
-    zmq_side = publisher.zmq = Recorder()  # type: ignore[assignment]
+    zmq_side = publisher.zmq = BatchRecorder()  # type: ignore[assignment]
     try:
         from vllm.distributed.kv_events import AllBlocksCleared as VllmCleared
 
