@@ -28,7 +28,14 @@ from aiohttp import web
 from cluster import beat_idle_load
 
 import kvbus
-from kvbus import AllBlocksCleared, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
+from kvbus import (
+    BlockRemoved,
+    BlockStored,
+    Kind,
+    KVEventBatch,
+    LoadMetrics,
+    Message,
+)
 from kvbus.bus.subscription import Resync, ResyncReason
 from kvbus.routing.router import MAX_KV_CACHE_BLOCKS, MAX_PEER_KEYS, MAX_PEERS, CostWeights, Router
 from kvbus.service.gateway import RouterApp, start, stop
@@ -225,7 +232,9 @@ def churn(router: Router, worker: str, blocks: int, first_hash: int) -> None:
     (it holds at most 20: its capacity is what it reports, not what it cached)."""
     for first in range(first_hash, first_hash + blocks, 20):
         busy_cache(router, worker, 20, first)
-        router.apply_kv(kv(worker, AllBlocksCleared()))
+        # Evicted one by one, as an LRU cache does (a clear would be a reset: its
+        # insertions then evict nothing and no longer count).
+        router.apply_kv(kv(worker, BlockRemoved(list(range(first, first + 20)), "GPU")))
 
 
 def test_a_load_record_out_of_range_is_clamped_and_counted() -> None:

@@ -227,7 +227,7 @@ def test_load_blind_policies_use_only_live_workers(policy: Policy) -> None:
 
 
 def test_a_restart_clears_only_that_workers_prefix() -> None:
-    r = router()
+    r = router(weights=CostWeights(eviction=0))  # (a's emptied cache would evict nothing)
     r.apply_kv(kv("a", stored([1, 2], PROMPT[:8])))
     r.apply_kv(kv("b", stored([7], PROMPT[:4])))
     r.apply_kv(Resync("a", 2, ResyncReason.NEW_EPOCH))
@@ -282,6 +282,31 @@ def test_a_new_conversation_goes_where_it_evicts_least() -> None:
     busy_cache(blind, "b", 4, 2000)
     blind.apply_kv(kv("a", stored([1], PROMPT[:4])))
     assert blind.route(PROMPT).worker == "a"  # type: ignore[union-attr]
+
+
+def test_a_cache_just_emptied_takes_new_conversations_again() -> None:
+    """A reset or restart empties a worker's cache: its recent insertions evict nothing
+    any more, so its eviction term drops at once (it kept pushing new work to the
+    caches that were still full until those insertions aged out of the window)."""
+    r = router(weights=CostWeights(eviction=2, kv_usage=0))
+    for worker in ("a", "b"):
+        r.apply_metrics(capacity(worker, 20))
+    busy_cache(r, "a", 16, 1000)  # a cached 16 of the fleet's last 20 blocks
+    busy_cache(r, "b", 4, 2000)
+    r.apply_metrics(load("b", running=1))  # b is a little busier
+    before = r.route(list(range(5000, 5033)))
+    assert before is not None and before.worker == "b", before.explain()
+    r.finished(before)
+    r.apply_kv(kv("a", AllBlocksCleared()))
+    after = r.route(list(range(6000, 6033)))
+    assert after is not None and after.worker == "a", after.explain()
+    assert after.excess == 0.0
+    # Its blocks from before the clear leave the window without going negative, and
+    # what it caches after the clear counts again.
+    busy_cache(r, "b", 24, 3000)
+    assert r.state.inserted[r.index.worker_number("a")] >= 0.0
+    busy_cache(r, "a", 16, 4000)
+    assert r.state.inserted[r.index.worker_number("a")] > 0.0
 
 
 def test_a_held_conversation_stays_on_the_busier_cache() -> None:

@@ -88,6 +88,11 @@ class FleetState:
         self._window: deque[tuple[int, int]] = deque()
         """(worker, blocks) newly cached, oldest first, about a fleet capacity of them"""
         self._window_blocks = 0
+        self._windowed: dict[int, int] = {}
+        """worker -> its blocks in the window that still count in ``inserted``"""
+        self._voided: dict[int, int] = {}
+        """worker -> its oldest blocks in the window that no longer count (it emptied its
+        cache since: blocks cached into free room evict nothing)"""
         self._stored_seen: dict[int, int] = {}
         self._metrics: dict[int, LoadMetrics] = {}
         self._heard: dict[int, float] = {}
@@ -117,6 +122,7 @@ class FleetState:
             return
         self._window.append((number, added))
         self._window_blocks += added
+        self._windowed[number] = self._windowed.get(number, 0) + added
         self.inserted[number] += added
         # The window spans about one fleet capacity of insertions: what an LRU cache as
         # large as the whole fleet would still hold. The fleet is the workers whose load
@@ -125,6 +131,12 @@ class FleetState:
         while self._window_blocks - self._window[0][1] >= span:
             old, blocks = self._window.popleft()
             self._window_blocks -= blocks
+            voided = self._voided.get(old, 0)
+            if voided:  # its blocks from before a clear: no longer counted
+                gone = min(voided, blocks)
+                self._voided[old] = voided - gone
+                blocks -= gone
+            self._windowed[old] = self._windowed.get(old, 0) - blocks
             self.inserted[old] -= blocks
 
     def apply_load(self, worker: str, metrics: LoadMetrics, age: float) -> None:
@@ -319,5 +331,13 @@ class FleetState:
     def cleared(self, worker: str) -> None:
         """``worker``'s engine emptied its cache (a reset, a restart): the blocks its
         finished requests left assumed there (``linger``) are gone, as its events say.
-        Requests still in flight keep theirs: they cache them after the clear."""
-        self.requests.cleared(self.index.worker_number(worker))
+        Requests still in flight keep theirs: they cache them after the clear. Its
+        recent insertions no longer count in the eviction term: its next blocks go into
+        free room and evict nothing."""
+        number = self.index.worker_number(worker)
+        self.requests.cleared(number)
+        windowed = self._windowed.pop(number, 0)
+        if windowed:
+            self._grow(number)
+            self.inserted[number] = max(0.0, self.inserted[number] - windowed)
+            self._voided[number] = self._voided.get(number, 0) + windowed
