@@ -26,7 +26,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbus import BlockRemoved, BlockStored, Kind, KVEventBatch, LoadMetrics, Message
+from kvbus import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Kind,
+    KVEventBatch,
+    LoadMetrics,
+    Message,
+)
 from kvbus.routing.router import Router
 
 TRACE_BLOCK = 512  # tokens per hash id in the trace
@@ -158,15 +166,13 @@ class Workload:
 
     def working_set(self, requests: Iterable[TraceRequest]) -> int:
         """Distinct full prompt blocks (prefixes) of the requests."""
-        prefixes = set()
+        prefixes: set[int] = set()
         for request in requests:
-            tokens = self.tokens(request)
-            for i in range(len(tokens) // self.block_size):
-                prefixes.add(tuple(tokens[: (i + 1) * self.block_size]))
+            prefixes.update(_chain(self.tokens(request), self.block_size))
         return len(prefixes)
 
 
-Event = BlockStored | BlockRemoved
+Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class SimEngine:
@@ -255,6 +261,14 @@ class SimEngine:
         events, self.events = self.events, []
         return events
 
+    def clear(self) -> None:
+        """Empty the cache, as a restart or ``/reset_prefix_cache`` does."""
+        self._never_used = 0
+        self._free.clear()
+        self._hash_of.clear()
+        self._blocks_of.clear()
+        self.events.append(AllBlocksCleared())
+
 
 def _chain(tokens: Sequence[int], block_size: int) -> list[int]:
     hashes, parent = [], 0
@@ -274,12 +288,18 @@ def cached_tokens(
     engines: Sequence[SimEngine],
     choose: Callable[[int, list[int]], int],
     after: Callable[[int, list[Event]], None] | None = None,
+    clears: dict[int, list[int]] | None = None,
 ) -> list[int]:
     """Each request's cached prompt tokens, ``prompts`` served one at a time, each on
     the engine ``choose(i, tokens)`` picks; ``after(engine, events)`` sees each
-    request's events."""
+    request's events, and those of each engine ``clears[i]`` empties before request
+    ``i`` (a restart or a reset)."""
     cached = []
     for i, (tokens, output) in enumerate(prompts.jobs):
+        for cleared in (clears or {}).get(i, []):
+            engines[cleared].clear()
+            if after is not None:
+                after(cleared, engines[cleared].take_events())
         engine = choose(i, tokens)
         cached.append(engines[engine].serve(tokens, output))
         if after is not None:
@@ -314,10 +334,17 @@ def simulate(router: Router, prompts: Prompts, engines: int, blocks: int) -> flo
     return sum(cached) / max(1, prompts.prompt_tokens)
 
 
-def simulated_cached(router: Router, prompts: Prompts, engines: int, blocks: int) -> list[int]:
+def simulated_cached(
+    router: Router,
+    prompts: Prompts,
+    engines: int,
+    blocks: int,
+    clears: dict[int, list[int]] | None = None,
+) -> list[int]:
     """Each request's cached tokens with ``router`` routing ``prompts`` over ``engines``
     simulated engines of ``blocks`` each: it is fed their events and an idle load record
-    (with their capacity) before every request, as from the bus."""
+    (with their capacity) before every request, as from the bus; ``clears`` as in
+    `cached_tokens`."""
     fleet = [SimEngine(blocks, prompts.block_size) for _ in range(engines)]
     names = [f"sim{i}/dp0" for i in range(engines)]
     seqs = [0] * engines
@@ -340,6 +367,9 @@ def simulated_cached(router: Router, prompts: Prompts, engines: int, blocks: int
 
     def after(engine: int, events: list[Event]) -> None:
         router.apply_kv(message(engine, Kind.KV, KVEventBatch(time.time(), list(events))))
-        router.finished(decisions[-1])
+        if len(decisions) > finished[0]:
+            router.finished(decisions[-1])
+            finished[0] = len(decisions)
 
-    return cached_tokens(prompts, fleet, choose, after)
+    finished = [0]
+    return cached_tokens(prompts, fleet, choose, after, clears)

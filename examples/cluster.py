@@ -254,9 +254,15 @@ class EngineHttp:
         with urllib.request.urlopen(request, timeout=120) as response:
             return dict(json.load(response))
 
-    def reset_prefix_cache(self) -> None:
-        request = urllib.request.Request(f"{self.url}/reset_prefix_cache", b"", method="POST")
-        urllib.request.urlopen(request, timeout=30).close()
+    def reset_prefix_cache(self, running: bool = False) -> bool:
+        """``POST /reset_prefix_cache`` (vLLM in dev mode): whether the cache emptied.
+        vLLM refuses while requests hold blocks, unless ``running`` preempts them (they
+        recompute)."""
+        query = "?reset_running_requests=true" if running else ""
+        url = f"{self.url}/reset_prefix_cache{query}"
+        request = urllib.request.Request(url, b"", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return bool(json.load(response).get("success", False))
 
     def counters(self) -> dict[str, float]:
         """The engine's own Prometheus counters (``vllm:...``), summed over labels."""

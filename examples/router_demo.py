@@ -292,7 +292,9 @@ class Cluster:
         starts."""
 
         async def fresh(server: VllmServer | SimEngine) -> None:
-            await asyncio.to_thread(server.reset_prefix_cache)
+            # A request the last router left running is preempted (it recomputes).
+            if not await asyncio.to_thread(server.reset_prefix_cache, True):
+                raise RuntimeError(f"{server.url}: /reset_prefix_cache did not empty the cache")
             await asyncio.to_thread(server.complete, WARM_UP)
 
         await asyncio.gather(*(fresh(server) for server in self.servers))

@@ -14,8 +14,10 @@ from bench.mooncake import (
     hit_rate,
     load_trace,
     pooled_hit_rate,
+    simulated_cached,
 )
 from bench.mooncake import simulate as simulate_router
+from kvbus import AllBlocksCleared
 from kvbus.routing.router import CostWeights, Router
 
 ENGINES = 4
@@ -52,3 +54,21 @@ def test_prefix_alone_thrashes_the_cache_holding_the_shared_prompt(
     prefix_only = simulate_router(blind, prompts, ENGINES, blocks)
     kv = simulate_router(Router(block_size=32), prompts, ENGINES, blocks)
     assert prefix_only < 0.6 * kv, (prefix_only, kv)
+
+
+def test_a_cleared_engine_costs_the_offline_placement_its_cache() -> None:
+    """The offline placement of a fault scenario (bench_fleet_routing's bound) empties an
+    engine where the run restarts or resets it: what that engine held is recomputed once,
+    and the router, told of the clear, predicts it."""
+    prefix = list(range(4, 4 + 8 * 32))
+    prompts = Prompts(32, [(prefix + [1000 + i] * 40, [7, 8]) for i in range(6)])
+    plain = simulated_cached(Router(block_size=32), prompts, 2, 64)
+    cleared = simulated_cached(Router(block_size=32), prompts, 2, 64, clears={3: [0, 1]})
+    assert plain[0] == 0 and all(c >= len(prefix) for c in plain[1:])
+    assert cleared[:3] == plain[:3] and cleared[3] == 0 and cleared[4:] == plain[4:]
+    engine = SimEngine(64, 32)
+    engine.serve([*prefix, 9], [])
+    engine.take_events()
+    engine.clear()
+    assert engine.take_events() == [AllBlocksCleared()]
+    assert engine.cached_prefix([*prefix, 9]) == 0

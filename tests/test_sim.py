@@ -311,7 +311,7 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
     assert indexed(before).match(prompt) == {sim.source(0): 80}
     steps = sim.fleet.engines[0].steps
     status, _ = await sim.post(0, "/reset_prefix_cache")
-    assert status == 200
+    assert status == 200 and _ == {"success": True}
     # The engine is idle and runs no step, yet its AllBlocksCleared is on the bus at once
     # (vLLM alone would publish it with the next step's batch), alone in its batch, after
     # everything published before: an index fed the stream expects nothing cached.
@@ -324,7 +324,8 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
     assert indexed(kv).match(prompt) == {}
     assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) == set()
     assert (await sim.complete(0, prompt))["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    # A reset refused (a request holds blocks) clears nothing and publishes no clear.
+    # A reset refused (a request holds blocks) clears nothing and publishes no clear:
+    # vLLM 0.32 answers 200 {"success": false}.
     slow = sim.fleet.engines[0].core
     slow.timing = TimingModel(Profile(overhead=0, weight_read=0.02, prefill=0, decode=0,
                                       context=0))  # fmt: skip
@@ -333,7 +334,7 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
         assert (await running.content.readline()).startswith(b"data: ")  # a token: running
         status, refused = await sim.post(0, "/reset_prefix_cache")
         rest = (await running.read()).decode()
-    assert status == 500 and "requests hold blocks" in refused["error"]["message"]
+    assert (status, refused) == (200, {"success": False})
     assert rest.endswith("data: [DONE]\n\n")
     flush(sim, 0)
     kv = await read_bus(nats_server.url, sim.source(0))
@@ -341,6 +342,22 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
                if isinstance(e, AllBlocksCleared)]  # fmt: skip
     assert len(cleared) == 1
     assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) != set()
+    # ?reset_running_requests=true preempts the running request and resets: the request
+    # recomputes and ends with all its tokens, and the bus still equals the pool.
+    async with sim.session.post(sim.url(0, "/v1/completions"), json=body) as running:
+        assert (await running.content.readline()).startswith(b"data: ")
+        status, reset = await sim.post(0, "/reset_prefix_cache?reset_running_requests=true")
+        rest = (await running.read()).decode()
+    assert (status, reset) == (200, {"success": True})
+    assert rest.endswith("data: [DONE]\n\n") and "error" not in rest
+    flush(sim, 0)
+    kv = await read_bus(nats_server.url, sim.source(0))
+    cleared = [e for m in kv if isinstance(m.body, kvbus.KVEventBatch) for e in m.body.events
+               if isinstance(e, AllBlocksCleared)]  # fmt: skip
+    assert len(cleared) == 2
+    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) != set()
+    status, invalid = await sim.post(0, "/reset_prefix_cache?reset_running_requests=maybe")
+    assert status == 400 and "reset_running_requests" in invalid["error"]["message"]
     # A restart fails the request in flight and starts a new epoch with an empty cache.
     slow_steps = Profile(overhead=0, weight_read=0.05, prefill=0, decode=0, context=0)
     sim.fleet.engines[1].core.timing = TimingModel(slow_steps)  # 400 tokens: 20 s

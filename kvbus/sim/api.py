@@ -208,10 +208,13 @@ class EngineAPI:
         return web.json_response({"prompt": self.text(tokens)})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        if not self.engine.reset_prefix_cache():
-            message = "Failed to reset prefix cache: requests hold blocks"
-            return error_body(message, "InternalServerError", 500)
-        return web.Response()
+        """As vLLM 0.32 answers it: ``{"success": false}`` while requests hold blocks,
+        unless ``?reset_running_requests=true`` preempts them (they recompute)."""
+        running = request.query.get("reset_running_requests", "false").lower()
+        if running not in ("true", "false", "1", "0"):
+            return _bad_request("reset_running_requests: true or false")
+        done = await self.engine.reset_prefix_cache(running in ("true", "1"))
+        return web.json_response({"success": done})
 
     async def render_completion(self, request: web.Request) -> web.Response:
         return await self._render(request, chat=False)

@@ -131,6 +131,9 @@ class SimEngine:
         self._arrived: list[tuple[RequestStream, list[int], SamplingParams, str | None]] = []
         self._aborted: list[str] = []
         self._wake = asyncio.Event()
+        self._stepping = asyncio.Lock()
+        """Held from a step's schedule to its update: what runs between steps (a reset)
+        takes it."""
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
         self.step_seconds = 0.0
@@ -223,10 +226,12 @@ class SimEngine:
             self._aborted.append(stream.request_id)
             self._wake.set()
 
-    def reset_prefix_cache(self) -> bool:
-        """vLLM's ``/reset_prefix_cache``; its ``AllBlocksCleared`` reaches the bus at
-        once, as on a real engine running kvbus's plugin (`EngineCore.reset_prefix_cache`)."""
-        return self.core.reset_prefix_cache()
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``/reset_prefix_cache`` (see `EngineCore.reset_prefix_cache`), run
+        after the step in progress as vLLM's engine core runs it; its ``AllBlocksCleared``
+        reaches the bus at once, as on a real engine running kvbus's plugin."""
+        async with self._stepping:
+            return self.core.reset_prefix_cache(reset_running_requests)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -242,11 +247,12 @@ class SimEngine:
             self._wake.clear()
             self._admit()
             while self.core.has_work():
-                started = loop.time()
-                decision, seconds = self.core.begin_step()
-                # The forward pass: new arrivals wait for the next step, as in vLLM.
-                await asyncio.sleep(max(0.0, started + seconds - loop.time()))
-                outputs, stats = self.core.end_step(decision)
+                async with self._stepping:
+                    started = loop.time()
+                    decision, seconds = self.core.begin_step()
+                    # The forward pass: new arrivals wait for the next step, as in vLLM.
+                    await asyncio.sleep(max(0.0, started + seconds - loop.time()))
+                    outputs, stats = self.core.end_step(decision)
                 self._deliver(outputs)
                 self.steps += 1
                 self.step_seconds += seconds

@@ -197,12 +197,14 @@ class EngineCore:
         stats = next((o.scheduler_stats for o in produced.values() if o.scheduler_stats), None)
         return [o for outputs in produced.values() for o in outputs.outputs], stats
 
-    def reset_prefix_cache(self) -> bool:
-        """vLLM's ``/reset_prefix_cache``: False while requests hold blocks. What the
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``/reset_prefix_cache``: False while requests hold blocks, unless
+        ``reset_running_requests`` preempts them first (vLLM's scheduler does it; they
+        recompute). Call it between steps, as vLLM's engine core runs it. What the
         reset queued (its ``AllBlocksCleared``) is published at once, as kvbus's plugin
         makes a real engine do (`kvbus.connectors.vllm_events.install_reset_publishing`;
         a no-op here when that already did it), not with the next step."""
-        done = bool(self.scheduler.reset_prefix_cache())
+        done = bool(self.scheduler.reset_prefix_cache(reset_running_requests))
         publish_queued_events(self.scheduler)
         return done
 
