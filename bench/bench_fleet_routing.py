@@ -63,6 +63,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -630,13 +631,18 @@ def scenario_d(args: argparse.Namespace) -> Scenario:
 
 
 def scenario_b(args: argparse.Namespace) -> Scenario:
-    """The Mooncake trace from ``--trace-start`` s on, its arrival times compressed by
-    ``--trace-speed``; each trace block id is ``--trace-id-tokens`` tokens."""
+    """Mooncake's conversation trace from ``--trace-start`` s for ``--trace-seconds``:
+    ``--trace-share`` of its conversations (whole: every turn of a kept conversation,
+    picked by a hash of its first two block ids, as are one-off requests), at their
+    recorded arrival times compressed to a mean of ``--trace-rate`` req/s; each trace
+    block id is ``--trace-id-tokens`` tokens. Reuse in the trace is mostly a
+    conversation's later turns, minutes apart: a short window holds almost none."""
     if not args.trace.is_file():
         raise FileNotFoundError(f"no trace at {args.trace} (--trace)")
     trace = [
         r for r in load_trace_timed(args.trace)
         if args.trace_start <= r[0] / 1000 < args.trace_start + args.trace_seconds
+        and zlib.crc32(repr(r[1].conversation).encode()) % 10_000 < args.trace_share * 10_000
     ]  # fmt: skip
     workload = Workload(
         block_size=BLOCK, max_blocks=args.trace_max_ids, output_tokens=args.output_tokens,
@@ -647,22 +653,23 @@ def scenario_b(args: argparse.Namespace) -> Scenario:
     blocks = math.ceil(workload.working_set(requests) / args.pressure / engines)
     longest = max(len(workload.tokens(r)) for r in requests)
     first = trace[0][0] / 1000
+    speed = max(1e-9, (trace[-1][0] / 1000 - first) / len(trace) * args.trace_rate)
 
     def plan(repetition: int) -> Plan:
         # The trace is the trace: every repetition replays the same arrivals.
         del repetition
         arrivals = [
-            Arrival((ms / 1000 - first) / args.trace_speed, workload.tokens(r), "trace")
-            for ms, r in trace
+            Arrival((ms / 1000 - first) / speed, workload.tokens(r), "trace") for ms, r in trace
         ]
         end = max(a.at for a in arrivals) + 1e-3
         return Plan(arrivals, [("trace", 0.0, end)], output_tokens=args.output_tokens)
 
     return Scenario(
-        "b", f"Mooncake conversation trace, {len(trace)} requests from {args.trace_start:g} s "
-        f"on, arrivals {args.trace_speed:g}x faster than recorded, {args.trace_id_tokens} "
-        f"tokens per trace block (first {args.trace_max_ids}), working set "
-        f"{args.pressure:.0%} of the fleet's KV",
+        "b", f"Mooncake conversation trace, {len(trace)} requests ({args.trace_share:.0%} of "
+        f"the conversations from {args.trace_start:g} s for {args.trace_seconds:g} s), "
+        f"arrivals {speed:.0f}x faster than recorded ({args.trace_rate:g} req/s), "
+        f"{args.trace_id_tokens} tokens per trace block (first {args.trace_max_ids}), "
+        f"working set {args.pressure:.0%} of the fleet's KV",
         engines, blocks, plan,
         max_model_len=max(2048, longest + 2 * BLOCK + args.output_tokens),
     )  # fmt: skip
@@ -739,6 +746,12 @@ async def run_fleet(
             # As the peers are told theirs (vllm-router's --kv-event-block-size); without
             # it kvbus learns it from the engines' load records (LoadMetrics.block_size).
             cluster.router_args += ["--block-size", str(BLOCK)]
+        if args.kvbus_shed:
+            # The clients' timeout, in the router's (wall) seconds: a request that would
+            # not start before it only takes the engines' time from the others.
+            cluster.router_args += ["--shed-after", f"{args.slo / speedup:g}"]
+        for weight in args.kv_weight:
+            cluster.router_args += ["--weight", weight]
         started = time.monotonic()
         cluster.start()
         say(f"  {scenario.engines} engines x {scenario.blocks} blocks, speedup {speedup:g}, "
@@ -849,9 +862,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow-factor", type=float, default=2.0, help="(f)")
     parser.add_argument("--replicas", type=int, default=3, help="(d)")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="(b)")
-    parser.add_argument("--trace-start", type=float, default=600.0, help="(b): seconds")
-    parser.add_argument("--trace-seconds", type=float, default=60.0, help="(b): of the trace")
-    parser.add_argument("--trace-speed", type=float, default=20.0, help="(b)")
+    parser.add_argument("--trace-start", type=float, default=0.0, help="(b): seconds")
+    parser.add_argument(
+        "--trace-seconds", type=float, default=3600.0, help="(b): of the trace (all of it)"
+    )
+    parser.add_argument(
+        "--trace-share", type=float, default=1 / 16, help="(b): of its conversations"
+    )
+    parser.add_argument("--trace-rate", type=float, default=300.0, help="(b): mean req/s")
     parser.add_argument("--trace-id-tokens", type=int, default=128, help="(b)")
     parser.add_argument("--trace-max-ids", type=int, default=48, help="(b)")
     parser.add_argument("--trace-engines", type=int, default=16, help="(b)")
@@ -861,6 +879,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kvbus-block-size", action=argparse.BooleanOptionalAction, default=False,
         help="give kvbus's routers the engines' block size (default: they learn it from "
         "the engines' load records; before LoadMetrics.block_size, from the first KV event)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kvbus-shed", action=argparse.BooleanOptionalAction, default=True,
+        help="give kvbus's routers --shed-after at the clients' --timeout (the peers have "
+        "no predicted-wait limit; a shed request counts as failed)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-weight", action="append", default=[], metavar="NAME=VALUE",
+        help="a cost weight for kvbus's routers (their --weight; kvbus.routing.cost)",
     )  # fmt: skip
     parser.add_argument(
         "--router-debug", action="store_true",
@@ -874,7 +901,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.scenarios = args.scenarios or "a,e"
         args.stage_seconds /= 2
         args.run_seconds /= 2
-        args.trace_seconds /= 2
+        args.trace_share /= 2
     args.scenarios = args.scenarios or "a,e,c,f,d,b"
     return args
 

@@ -194,6 +194,35 @@ async def test_a_wait_for_a_busy_workers_connection_is_not_its_fault(
     assert (await complete(fleet, PROMPT))[0] == 200
 
 
+async def test_a_request_the_worker_would_start_too_late_is_shed_at_once(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """--shed-after: a request whose worker should take longer than that to its first
+    token (here: a request routed there 0.5 s ago has not started) is answered 503 at
+    once, in vLLM's shape, and takes nothing from the worker; it stays eligible."""
+    release, arrived = asyncio.Event(), asyncio.Event()
+    await fleet.worker("a", await held_worker(release, arrived))
+    await fleet.run_router(tokenizer)
+    assert fleet.app is not None
+    fleet.app.router.shed_after = 0.3
+    first = asyncio.create_task(complete(fleet, PROMPT))
+    await asyncio.wait_for(arrived.wait(), 30)
+    await asyncio.sleep(0.5)
+    arrived.clear()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fleet.router_url}/v1/completions", json=PROMPT) as response:
+            shed = (response.status, response.headers.get("Retry-After"), await response.json())
+    assert shed[:2] == (503, "1")
+    assert shed[2]["error"]["type"] == "ServiceUnavailableError"
+    assert "--shed-after is 0.3 s" in shed[2]["error"]["message"]
+    assert counter(fleet, "shed") == 1 and not arrived.is_set()
+    assert "a/dp0" in fleet.app.router.eligible()
+    release.set()
+    assert (await first)[:3:2] == (200, "a/dp0")
+    assert (await complete(fleet, PROMPT))[0] == 200  # nothing waits there now
+    assert counter(fleet, "shed") == 1
+
+
 async def test_a_half_sent_second_request_on_a_keep_alive_connection_is_closed(
     fleet: Fleet, tokenizer: Path
 ) -> None:

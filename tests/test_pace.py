@@ -118,3 +118,43 @@ def test_a_restarted_worker_starts_again_at_the_fleets_pace() -> None:
     assert r.state.pace.of(3)[b] > 1.5
     r.apply_kv(Resync("b", 2, ResyncReason.NEW_EPOCH))
     assert r.state.pace.of(3)[b] == 1.0
+
+
+def test_a_prediction_needs_a_fit_then_follows_it_times_the_workers_pace() -> None:
+    noise = random.Random(5)
+    for slow in (1.0, 2.0):  # worker 3 as fast as the rest, then twice as slow
+        pace = WorkerPace(min_fit=16)
+        assert pace.predict(0, 50, 50, 0) != pace.predict(0, 50, 50, 0)  # NaN: no fit yet
+        for _ in range(100):
+            for worker, slowness in ((0, 1.0), (1, 1.0), (2, 1.0), (3, slow)):
+                blocks = noise.randint(1, 120)
+                pace.observe(worker, ttft(blocks, slowness, noise), blocks)
+        if slow == 1.0:
+            expected = 0.02 + 0.002 * 50  # what ttft() takes for 50 blocks ahead
+            assert abs(pace.predict(0, 50, 0, 0) - expected) < 0.1 * expected
+        else:
+            assert 1.5 < pace.predict(3, 50, 0, 0) / pace.predict(0, 50, 0, 0) < 2.5
+
+
+def test_a_router_told_to_shed_refuses_what_would_start_too_late_and_assigns_nothing() -> None:
+    """``shed_after``: the predicted first token is the fit's time for the work ahead,
+    or, when a request routed earlier still waits, at least its age: a queue the fit has
+    not learned yet (no first tokens come back from it) sheds as it grows."""
+    r, clock = slow_b_router(1.0)
+    r.shed_after = 0.5
+    waiting = r.route(list(range(500, 540)), exclude={"b", "c"})
+    assert waiting is not None and waiting.worker == "a" and not waiting.shed
+    assert 0 < waiting.predicted_ttft < 0.5
+    a = r.index.worker_number("a")
+    queued, pending = r.state.queued_blocks(a), dict(r._pending[a])
+    clock.now += 0.6  # it has not started: a runs behind
+    shed = r.route(list(range(900, 932)), exclude={"b", "c"})
+    assert shed is not None and shed.shed and shed.worker == "a"
+    assert shed.predicted_ttft >= 0.6 and "shed" in shed.explain()
+    assert (r.state.queued_blocks(a), r._pending[a]) == (queued, pending)
+    # Another worker with nothing waiting takes it; once a's request starts, so does a.
+    elsewhere = r.route(list(range(900, 932)), exclude={"a", "c"})
+    assert elsewhere is not None and not elsewhere.shed
+    r.started(waiting)
+    again = r.route(list(range(900, 932)), exclude={"b", "c"})
+    assert again is not None and not again.shed and again.predicted_ttft < 0.5

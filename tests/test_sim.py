@@ -189,6 +189,32 @@ async def test_completions_report_the_prefix_cache_as_vllm_does(sim: Sim) -> Non
     assert tokens["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
 
 
+async def test_a_client_that_leaves_aborts_its_request_as_vllm_does(sim: Sim) -> None:
+    """vLLM's server aborts a request whose client disconnects (``with_cancellation``);
+    so does the sim, streamed or not, so an abandoned request takes no more steps."""
+    engine = sim.fleet.engines[1]
+    engine.core.timing = TimingModel(Profile(overhead=0, weight_read=0.05, prefill=0,
+                                             decode=0, context=0))  # fmt: skip
+    for stream in (False, True):
+        body = {"prompt": PREFIX, "max_tokens": 400, "stream": stream}  # 20 s
+        post = asyncio.create_task(sim.post(1, "/v1/completions", body))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if engine.load[0]:
+                break
+        assert engine.load == (1, 0)
+        post.cancel()  # the client goes away
+        await asyncio.gather(post, return_exceptions=True)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if engine.load == (0, 0):
+                break
+        assert engine.load == (0, 0), stream
+        steps = engine.steps
+        await asyncio.sleep(0.3)
+        assert engine.steps == steps  # nothing left to step
+
+
 async def test_chat_streams_deltas_then_usage_then_done(sim: Sim) -> None:
     body = {
         "messages": [{"role": "user", "content": PREFIX}],

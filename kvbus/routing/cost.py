@@ -134,6 +134,14 @@ class Decision(msgspec.Struct, kw_only=True):
     ahead_busy: int = 0
     """Other requests on the worker when routed, its steps shared with them
     (`kvbus.routing.fleet_state.FleetState.busy`)."""
+    predicted_ttft: float = math.nan
+    """Seconds to its first token the worker should take (`kvbus.routing.pace`; NaN
+    until the router has seen enough first tokens)."""
+    ended: bool = False
+    """The request ended (`kvbus.routing.in_flight.RequestsInFlight.finished`)."""
+    shed: bool = False
+    """Not routed: ``predicted_ttft`` is over the router's ``shed_after`` (the request
+    is to be refused at once, 503; it took nothing on the worker)."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""
@@ -145,6 +153,10 @@ class Decision(msgspec.Struct, kw_only=True):
         )
         if self.pace != 1.0:
             why += f" (prefill and load x pace {self.pace:.2f})"
+        if not math.isnan(self.predicted_ttft):
+            why += f"; first token in {self.predicted_ttft:.3f} s"
+        if self.shed:
+            why += " (over the router's limit: shed)"
 
         if self.runner_up is not None:
             why += f"; runner-up {self.runner_up} at {self.runner_up_cost:.2f}"

@@ -35,6 +35,9 @@ class Routed(Protocol):
     prefill_blocks: float
     new_blocks: int
     streaming: bool
+    ended: bool
+    routed_at: float
+    predicted_ttft: float
 
 
 class RequestsInFlight:
@@ -60,6 +63,9 @@ class RequestsInFlight:
         """(until, worker) of requests of this router that ended less than ``linger``
         ago: the engine's next load record may still count them"""
         self._ended_count: dict[int, int] = {}
+        self._unstarted: dict[int, deque[Routed]] = {}
+        """worker -> this router's requests routed there, oldest first; those that
+        started or ended are dropped when they reach the head"""
 
     # --- counts ----------------------------------------------------------------------
 
@@ -79,6 +85,17 @@ class RequestsInFlight:
         count = int(queued[0]) if queued else 0
         return count + self._streaming.get(number, 0) + self._ended_count.get(number, 0)
 
+    def oldest_unstarted(self, number: int) -> Routed | None:
+        """The request routed to a worker longest ago that has not started streaming
+        (amortised O(1): requests start roughly in the order they were routed)."""
+        waiting = self._unstarted.get(number)
+        while waiting and (waiting[0].streaming or waiting[0].ended):
+            waiting.popleft()
+        if not waiting:
+            self._unstarted.pop(number, None)
+            return None
+        return waiting[0]
+
     # --- a request's life ------------------------------------------------------------
 
     def assign(self, request: Routed) -> None:
@@ -88,6 +105,7 @@ class RequestsInFlight:
         queued = self._queued.setdefault(number, [0, 0.0])
         queued[0] += 1
         queued[1] += request.prefill_blocks
+        self._unstarted.setdefault(number, deque()).append(request)
         pending = self.pending.setdefault(number, {})
         masks, bit = self.pending_masks, 1 << number
         for key in request.keys:
@@ -109,6 +127,7 @@ class RequestsInFlight:
         """``request`` ended (any way): its prefix blocks stay pending for ``linger``
         seconds, but for those the engine's events already reported."""
         number = request.number
+        request.ended = True
         if request.streaming:
             self._streaming[number] -= 1
         else:

@@ -50,8 +50,10 @@ class WorkerPace:
         min_samples: int = 8,
         deadband: float = 1.4,
         limit: float = 4.0,
+        min_fit: float = 32.0,
     ) -> None:
         self.min_samples = min_samples
+        self.min_fit = min_fit
         self.deadband = deadband
         self.limit = limit
         self._decay = 0.5 ** (1.0 / half_life)
@@ -108,6 +110,17 @@ class WorkerPace:
         self._seconds[number] = self._seconds[number] * d + seconds
         self._count[number] += 1
         self._update()
+
+    def predict(self, number: int, blocks: float, prompt_blocks: float, busy: float) -> float:
+        """Seconds worker ``number`` should take to a first token for a request with
+        ``blocks`` of prefill ahead, a prompt of ``prompt_blocks`` and ``busy`` other
+        requests on it (the fleet's fit times the worker's pace); NaN until the fit
+        rests on ``min_fit`` observations (decayed)."""
+        if self._xx[0, 0] < self.min_fit:
+            return math.nan
+        seconds = float(self.fit() @ np.array([1.0, blocks, prompt_blocks, busy]))
+        pace = self.paces[number] if number < len(self.paces) else 1.0
+        return max(0.0, seconds) * float(pace)
 
     def forget(self, number: int) -> None:
         """Worker ``number`` restarted or left: what it was is no evidence of what it is."""

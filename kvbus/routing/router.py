@@ -28,6 +28,7 @@ decision at a few tens of microseconds beyond the index lookup with 1,000 worker
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -58,7 +59,13 @@ class Router:
         share: Callable[[RouteEvent], object] | None = None,
         replica: str | None = None,
         peer_timeout: float = 600.0,
+        shed_after: float | None = None,
     ) -> None:
+        self.shed_after = shed_after
+        """Seconds: a request whose worker should take longer than this to its first
+        token (`Decision.predicted_ttft`) is not routed but shed (`Decision.shed`): past
+        its client's timeout it would only take the engine's time from others. None:
+        never."""
         self.share = share
         """Called with each `RouteEvent` of this router's requests (replicas: publish
         them on the routes stream for the others' `apply_routes`)."""
@@ -211,7 +218,8 @@ class Router:
         exclude: Collection[str] = (),
     ) -> Decision | None:
         """The worker for a prompt (``None``: no worker may get traffic). Call
-        `finished` with the decision when the request ends."""
+        `finished` with the decision when the request ends, unless it is `Decision.shed`
+        (see ``shed_after``): then it was not routed."""
         now = self._clock()
         self._expire(now)
         keys = self.index.keys(token_ids, lora_name, extra_keys)
@@ -224,6 +232,17 @@ class Router:
             self.state.queued_blocks(decision.number) + decision.prefill_blocks + 1
         )
         decision.ahead_busy = self.state.busy(decision.number)
+        # The fit's seconds for the work ahead, times how far the worker runs behind
+        # it now; at least the age of the oldest request still waiting there (in a
+        # steady queue every request waits about as long).
+        age, behind = self.state.behind(decision.number, now)
+        predicted = self.state.pace.predict(
+            decision.number, decision.ahead_blocks, len(keys), decision.ahead_busy
+        )
+        decision.predicted_ttft = age if math.isnan(predicted) else max(predicted * behind, age)
+        if self.shed_after is not None and decision.predicted_ttft > self.shed_after:
+            decision.shed = True  # nothing assigned: the worker never hears of it
+            return decision
         self.state.assign(decision)
         if self.share is not None:
             decision.request = next(self._requests)

@@ -292,6 +292,13 @@ def _report_failure(task: asyncio.Task[None]) -> None:
         log.error("router task stopped: %r; /health stays 503", task.exception())
 
 
+def _positive_seconds(text: str) -> float:
+    seconds = float(text)
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return seconds
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The router's options (``kvbus router`` and ``examples/nats_router.py``)."""
     parser.add_argument("--port", type=int, default=8000)
@@ -363,6 +370,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds to a worker's first byte (all of a response not streamed); then it "
         "is marked down and the request goes to another",
+    )
+    limits.add_argument(
+        "--shed-after",
+        type=_positive_seconds,
+        help="seconds: a request that the best worker should take longer than this to "
+        "start (its predicted time to a first token, learned from the first tokens seen) "
+        "is answered 503 with Retry-After at once, taking nothing from the engines; set "
+        "it to the clients' timeout, past which a request only takes the time of others "
+        "(default: never)",
     )
     limits.add_argument(
         "--pool-timeout",
@@ -519,6 +535,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         block_size=args.block_size,
         stale_after=args.stale_after,
         seed=args.seed,
+        shed_after=args.shed_after,
     )
     return RouterApp(
         workers,

@@ -181,6 +181,13 @@ class RouterHTTP:
                     return _busy("Every vLLM server that is up has all its connections busy.")
                 why = "".join(f" {problem}." for problem in self.watch.problems)
                 return _busy(f"No vLLM server is available: every worker is down or silent.{why}")
+            if decision.shed:
+                self.metrics.shed.inc()
+                return _busy(
+                    f"Every vLLM server is too busy: the best would take about "
+                    f"{decision.predicted_ttft:.1f} s to a first token (the router's "
+                    f"--shed-after is {self.router.shed_after:g} s)."
+                )
             if not tried and (decision.engine_load or not self.followers.bus_up):
                 self.metrics.degraded_routes.inc()
             if log.isEnabledFor(logging.DEBUG):

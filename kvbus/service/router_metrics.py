@@ -44,6 +44,12 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens routed")
         self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
+        self.shed = counter(
+            "shed_requests",
+            "Requests answered 503 at once: the best worker's predicted time to a first "
+            "token was over --shed-after",
+            (),
+        )
         self.slow_clients = counter(
             "slow_clients",
             "Connections closed: no whole request head within --header-timeout of opening "

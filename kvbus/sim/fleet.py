@@ -195,7 +195,10 @@ class Fleet:
             engine = SimEngine(f"{args.source_prefix}{i}", config, timing, bus, name)
             self.engines.append(engine)
             api = EngineAPI(engine, tokenizer, args.model, scale_out=args.enable_scale_out)
-            runner = web.AppRunner(api.app(), access_log=None)
+            # A client that leaves aborts its request, as vLLM's server does
+            # (``with_cancellation`` on its generate routes): an abandoned request must
+            # not take the engine's steps.
+            runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
             await runner.setup()
             self.runners.append(runner)
             await web.TCPSite(runner, args.host, args.port + i).start()
