@@ -631,45 +631,63 @@ def scenario_d(args: argparse.Namespace) -> Scenario:
 
 
 def scenario_b(args: argparse.Namespace) -> Scenario:
-    """Mooncake's conversation trace from ``--trace-start`` s for ``--trace-seconds``:
-    ``--trace-share`` of its conversations (whole: every turn of a kept conversation,
-    picked by a hash of its first two block ids, as are one-off requests), at their
-    recorded arrival times compressed to a mean of ``--trace-rate`` req/s; each trace
-    block id is ``--trace-id-tokens`` tokens. Reuse in the trace is mostly a
-    conversation's later turns, minutes apart: a short window holds almost none."""
+    """Mooncake's conversation trace from ``--trace-start`` s for ``--trace-seconds``,
+    one stage per rate of ``--trace-rates``: each stage takes its own ``--trace-share``
+    of the conversations (whole: every turn of a kept conversation, picked by a hash
+    of its first two block ids, as are one-off requests), at their recorded arrival
+    times compressed to that mean rate. Each trace block id is ``--trace-id-tokens``
+    tokens. Reuse in the trace is mostly a conversation's later turns, minutes apart:
+    a short window holds almost none, hence a share of the whole hour."""
     if not args.trace.is_file():
         raise FileNotFoundError(f"no trace at {args.trace} (--trace)")
-    trace = [
-        r for r in load_trace_timed(args.trace)
-        if args.trace_start <= r[0] / 1000 < args.trace_start + args.trace_seconds
-        and zlib.crc32(repr(r[1].conversation).encode()) % 10_000 < args.trace_share * 10_000
+    rates = [float(r) for r in args.trace_rates.split(",")]
+    if args.trace_share * len(rates) > 1:
+        raise ValueError("--trace-share times the number of --trace-rates is over 1")
+    timed = [
+        (ms, r, zlib.crc32(repr(r.conversation).encode()) % 10_000 / 10_000)
+        for ms, r in load_trace_timed(args.trace)
+        if args.trace_start <= ms / 1000 < args.trace_start + args.trace_seconds
+    ]
+    stages = [
+        [(ms, r) for ms, r, bucket in timed
+         if k * args.trace_share <= bucket < (k + 1) * args.trace_share]
+        for k in range(len(rates))
     ]  # fmt: skip
     workload = Workload(
         block_size=BLOCK, max_blocks=args.trace_max_ids, output_tokens=args.output_tokens,
         id_tokens=args.trace_id_tokens,
     )  # fmt: skip
     engines = args.trace_engines
-    requests = [r for _, r in trace]
-    blocks = math.ceil(workload.working_set(requests) / args.pressure / engines)
-    longest = max(len(workload.tokens(r)) for r in requests)
-    first = trace[0][0] / 1000
-    speed = max(1e-9, (trace[-1][0] / 1000 - first) / len(trace) * args.trace_rate)
+    biggest = max(workload.working_set(r for _, r in stage) for stage in stages)
+    blocks = math.ceil(biggest / args.pressure / engines)
+    longest = max(len(workload.tokens(r)) for stage in stages for _, r in stage)
 
     def plan(repetition: int) -> Plan:
         # The trace is the trace: every repetition replays the same arrivals.
         del repetition
-        arrivals = [
-            Arrival((ms / 1000 - first) / speed, workload.tokens(r), "trace") for ms, r in trace
-        ]
-        end = max(a.at for a in arrivals) + 1e-3
-        return Plan(arrivals, [("trace", 0.0, end)], output_tokens=args.output_tokens)
+        arrivals: list[Arrival] = []
+        names: list[tuple[str, float, float]] = []
+        begin = 0.0
+        for rate, stage in zip(rates, stages, strict=True):
+            first, last = stage[0][0] / 1000, stage[-1][0] / 1000
+            speed = max(1e-9, (last - first) / len(stage) * rate)
+            name = f"{rate:g}/s"
+            arrivals += [
+                Arrival(begin + (ms / 1000 - first) / speed, workload.tokens(r), name, "trace")
+                for ms, r in stage
+            ]
+            end = arrivals[-1].at + 1e-3
+            names.append((name, begin, end))
+            begin = end + args.trace_gap
+        return Plan(arrivals, names, output_tokens=args.output_tokens)
 
     return Scenario(
-        "b", f"Mooncake conversation trace, {len(trace)} requests ({args.trace_share:.0%} of "
-        f"the conversations from {args.trace_start:g} s for {args.trace_seconds:g} s), "
-        f"arrivals {speed:.0f}x faster than recorded ({args.trace_rate:g} req/s), "
-        f"{args.trace_id_tokens} tokens per trace block (first {args.trace_max_ids}), "
-        f"working set {args.pressure:.0%} of the fleet's KV",
+        "b", f"Mooncake conversation trace ({args.trace_start:g} s on for "
+        f"{args.trace_seconds:g} s), per stage {args.trace_share:.1%} of its conversations "
+        f"({', '.join(str(len(s)) for s in stages)} requests) at their recorded arrival "
+        f"times compressed to a mean of {args.trace_rates} req/s, {args.trace_id_tokens} "
+        f"tokens per trace block (first {args.trace_max_ids}), each stage's working set at "
+        f"most {args.pressure:.0%} of the fleet's KV",
         engines, blocks, plan,
         max_model_len=max(2048, longest + 2 * BLOCK + args.output_tokens),
     )  # fmt: skip
@@ -869,7 +887,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--trace-share", type=float, default=1 / 16, help="(b): of its conversations"
     )
-    parser.add_argument("--trace-rate", type=float, default=300.0, help="(b): mean req/s")
+    parser.add_argument(
+        "--trace-rates", default="150,300",
+        help="(b): a stage per mean rate (req/s), each with conversations of its own",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace-gap", type=float, default=1.0, help="(b): simulated s between stages"
+    )
     parser.add_argument("--trace-id-tokens", type=int, default=128, help="(b)")
     parser.add_argument("--trace-max-ids", type=int, default=48, help="(b)")
     parser.add_argument("--trace-engines", type=int, default=16, help="(b)")
