@@ -51,15 +51,26 @@ def free_port(pair: bool = False, span: int = 1) -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(1000):
         port = random.randrange(max(1024, low - 10000), low - 1)
+        ports = range(port, port + max(span, 2 if pair else 1))
+        if any(p in _GIVEN for p in ports):
+            continue  # free now, but handed out here and perhaps not bound yet
         with contextlib.ExitStack() as held:
             try:
-                for p in range(port, port + max(span, 2 if pair else 1)):
+                for p in ports:
                     s = held.enter_context(socket.socket())
                     s.bind(("127.0.0.1", p))
             except OSError:
                 continue
+            if len(_GIVEN) > 5000:  # half the range: those handed out long ago are bound
+                _GIVEN.clear()
+            _GIVEN.update(ports)
             return port
     raise RuntimeError("no free port found")
+
+
+_GIVEN: set[int] = set()
+"""Ports `free_port` handed out in this process: never twice (a cluster picks its
+ports before its processes bind them)."""
 
 
 def wait_until(
@@ -407,13 +418,15 @@ class SimFleet(Server):
         extra_args: list[str] | None = None,
     ) -> None:
         super().__init__(data_dir)
-        self.port = free_port(span=engines)
+        # One span for the HTTP, ZMQ and replay ports: spans picked one after another
+        # are each free when picked, and could overlap (the sim then fails to bind).
+        self.port = free_port(span=engines * (3 if zmq else 1))
         self.model = model
         self.kvbus_url = kvbus_url
         self.blocks = blocks
         self.max_model_len = max_model_len
-        self.zmq_port = free_port(span=engines) if zmq else None
-        self.replay_port = free_port(span=engines) if zmq else None
+        self.zmq_port = self.port + engines if zmq else None
+        self.replay_port = self.port + 2 * engines if zmq else None
         self.profile = profile
         self.speedup = speedup
         self.extra_args = extra_args or []

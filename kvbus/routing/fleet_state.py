@@ -299,18 +299,19 @@ class FleetState:
 
     def behind(self, number: int, now: float) -> tuple[float, float]:
         """How far a worker runs behind right now, from this router's oldest request
-        there not yet started: its age (seconds; 0 for none), and how many times
-        longer than predicted the worker takes (its age over its `predicted_ttft` once
-        past it; at least 1). A queue that grows faster than the pace's fit learns (it
-        learns only from first tokens, which stop coming once the queue is past every
-        client's patience) shows here at once."""
+        there not yet started: its age (seconds; 0 for none), and the seconds it is
+        late (its age less its `predicted_ttft`, once past it; 0 when not, or when
+        nothing was predicted for it). A queue that grows faster than the pace's fit
+        learns (it learns only from first tokens, which stop coming once the queue is
+        past every client's patience) shows here at once. Late by seconds, not by a
+        factor: a factor over a prediction of a few milliseconds (a young fit's) is
+        noise, and would shed a healthy worker's traffic."""
         oldest = self.requests.oldest_unstarted(number)
         if oldest is None:
-            return 0.0, 1.0
+            return 0.0, 0.0
         age = now - oldest.routed_at
-        if not oldest.predicted_ttft > 0:
-            return age, 1.0
-        return age, max(1.0, age / oldest.predicted_ttft)
+        late = age - oldest.predicted_ttft  # NaN when nothing was predicted
+        return age, late if late > 0 else 0.0
 
     def queued_blocks(self, number: int) -> float:
         """Blocks this router's requests not streaming yet still prefill on a worker."""

@@ -232,14 +232,14 @@ class Router:
             self.state.queued_blocks(decision.number) + decision.prefill_blocks + 1
         )
         decision.ahead_busy = self.state.busy(decision.number)
-        # The fit's seconds for the work ahead, times how far the worker runs behind
-        # it now; at least the age of the oldest request still waiting there (in a
-        # steady queue every request waits about as long).
-        age, behind = self.state.behind(decision.number, now)
+        # The fit's seconds for the work ahead, plus how late the worker runs behind it
+        # now; at least the age of the oldest request still waiting there (in a steady
+        # queue every request waits about as long).
+        age, late = self.state.behind(decision.number, now)
         predicted = self.state.pace.predict(
             decision.number, decision.ahead_blocks, len(keys), decision.ahead_busy
         )
-        decision.predicted_ttft = age if math.isnan(predicted) else max(predicted * behind, age)
+        decision.predicted_ttft = age if math.isnan(predicted) else max(predicted + late, age)
         if self.shed_after is not None and decision.predicted_ttft > self.shed_after:
             decision.shed = True  # nothing assigned: the worker never hears of it
             return decision

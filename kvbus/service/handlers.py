@@ -181,6 +181,8 @@ class RouterHTTP:
                     return _busy("Every vLLM server that is up has all its connections busy.")
                 why = "".join(f" {problem}." for problem in self.watch.problems)
                 return _busy(f"No vLLM server is available: every worker is down or silent.{why}")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             if decision.shed:
                 self.metrics.shed.inc()
                 return _busy(
@@ -190,8 +192,6 @@ class RouterHTTP:
                 )
             if not tried and (decision.engine_load or not self.followers.bus_up):
                 self.metrics.degraded_routes.inc()
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             try:
                 return await self.upstream.forward(request, body, decision)
             except WorkerBusy:
