@@ -25,7 +25,13 @@ f. one engine twice as slow as the others (``kvbus sim --slow``), shared-prefix 
 d. three router replicas: kvbus's share requests in flight on the bus
    (``--routes-stream``), the peers' are independent instances; requests alternate
    between them (the burst workload of e);
-b. the Mooncake conversation trace (bench/mooncake.py) with its own arrival times.
+b. the Mooncake conversation trace (bench/mooncake.py): a share of the hour's
+   conversations at their own arrival times, compressed to a mean rate, one stage per
+   rate (``--trace-rates``: 150 req/s, and 300 past saturation).
+
+kvbus's routers run with ``--shed-after`` at the SLO (``--no-kvbus-shed``: without): past
+saturation they answer 503 at once to a request its worker would start too late. A
+request shed counts as failed. The peers have no limit on predicted wait.
 
 Per run (router x repetition, per stage of a ladder), in simulated time (wall time x
 speedup: what the GPUs of the profile would see): offered requests/s; goodput, the
@@ -34,7 +40,8 @@ rejected and timed-out requests are not good: shown apart); TTFT p50/p90 over ev
 offered request (a failed one counts as never answered: ``>T``); hit rate, cached /
 prompt tokens from the engines' usage; the offline bound of the hit rate (the same
 arrivals served one at a time by one prefix cache as large as the fleet's, or by kvbus's
-policy with exact knowledge of every cache, whichever is higher; bench/mooncake.py);
+policy with exact knowledge of every cache, whichever is higher; with a restart or a
+reset, the second alone, its engine's cache emptied at the same point; bench/mooncake.py);
 and the CPU: the busiest process's share of one core (the sim, a router, nats-server
 or this client; over ~70% it, not the routing, limits TTFT) and the machine's.
 
@@ -765,8 +772,8 @@ async def run_fleet(
             # it kvbus learns it from the engines' load records (LoadMetrics.block_size).
             cluster.router_args += ["--block-size", str(BLOCK)]
         if args.kvbus_shed:
-            # The clients' timeout, in the router's (wall) seconds: a request that would
-            # not start before it only takes the engines' time from the others.
+            # The SLO, in the router's (wall) seconds: a request that would start later
+            # counts for nothing, and only takes the engines' time from the others.
             cluster.router_args += ["--shed-after", f"{args.slo / speedup:g}"]
         for weight in args.kv_weight:
             cluster.router_args += ["--weight", weight]
@@ -906,8 +913,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--kvbus-shed", action=argparse.BooleanOptionalAction, default=True,
-        help="give kvbus's routers --shed-after at the clients' --timeout (the peers have "
-        "no predicted-wait limit; a shed request counts as failed)",
+        help="give kvbus's routers --shed-after at the --slo (a request predicted to start "
+        "later would not count; the peers have no predicted-wait limit; a shed request "
+        "counts as failed)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-weight", action="append", default=[], metavar="NAME=VALUE",

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 
-from kvbus.bus.subscription import Resync, ResyncReason
+from kvbus.bus.subscription import Message, Resync, ResyncReason
 from kvbus.routing.pace import WorkerPace
 from kvbus.routing.router import CostWeights, Router
+from kvbus.wire.envelope import Kind
+from kvbus.wire.events import RouteEvent
 
 from .test_router import Clock, load
 
@@ -158,3 +160,20 @@ def test_a_router_told_to_shed_refuses_what_would_start_too_late_and_assigns_not
     r.started(waiting)
     again = r.route(list(range(900, 932)), exclude={"b", "c"})
     assert again is not None and not again.shed and again.predicted_ttft < 0.5
+
+
+def test_another_replicas_request_that_never_starts_does_not_make_a_worker_late() -> None:
+    """Lateness is read from this router's own requests only: a peer's whose start is
+    lost on the bus (or forged) would otherwise shed a worker's traffic until it expires."""
+    r, clock = slow_b_router(1.0)
+    r.shed_after = 0.5
+    a = r.index.worker_number("a")
+    peer = RouteEvent(ts=0.0, request=7, phase="routed", worker="a", keys=[1, 2, 3],
+                      prefill_blocks=3.0, new_blocks=3)  # fmt: skip
+    r.apply_routes(Message("replica-2", 1, 1, Kind.ROUTES, 0.0, peer, b"", 0))
+    assert r.peer_requests == 1 and r.state.queued_blocks(a) == 3.0
+    clock.now += 60  # it never starts
+    r.apply_metrics(load("a"))
+    decision = r.route(list(range(900, 932)), exclude={"b", "c"})
+    assert decision is not None and decision.worker == "a" and not decision.shed
+    assert decision.predicted_ttft < 0.5

@@ -329,6 +329,17 @@ def indexed(messages: list[Message]) -> PrefixIndex:
     return index
 
 
+async def assert_clears_and_pool(sim: Sim, nats_server: NatsServer, clears: int) -> None:
+    """Engine 0's stream so far holds ``clears`` AllBlocksCleared and rebuilds its pool
+    (not empty)."""
+    flush(sim, 0)
+    kv = await read_bus(nats_server.url, sim.source(0))
+    cleared = [e for m in kv if isinstance(m.body, kvbus.KVEventBatch) for e in m.body.events
+               if isinstance(e, AllBlocksCleared)]  # fmt: skip
+    assert len(cleared) == clears
+    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) != set()
+
+
 async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: NatsServer) -> None:
     prompt = [*range(100, 180), 9]  # token ids: 5 whole blocks and one more token
     await sim.complete(0, prompt)
@@ -362,12 +373,7 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
         rest = (await running.read()).decode()
     assert (status, refused) == (200, {"success": False})
     assert rest.endswith("data: [DONE]\n\n")
-    flush(sim, 0)
-    kv = await read_bus(nats_server.url, sim.source(0))
-    cleared = [e for m in kv if isinstance(m.body, kvbus.KVEventBatch) for e in m.body.events
-               if isinstance(e, AllBlocksCleared)]  # fmt: skip
-    assert len(cleared) == 1
-    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) != set()
+    await assert_clears_and_pool(sim, nats_server, 1)
     # ?reset_running_requests=true preempts the running request and resets: the request
     # recomputes and ends with all its tokens, and the bus still equals the pool.
     async with sim.session.post(sim.url(0, "/v1/completions"), json=body) as running:
@@ -376,12 +382,7 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
         rest = (await running.read()).decode()
     assert (status, reset) == (200, {"success": True})
     assert rest.endswith("data: [DONE]\n\n") and "error" not in rest
-    flush(sim, 0)
-    kv = await read_bus(nats_server.url, sim.source(0))
-    cleared = [e for m in kv if isinstance(m.body, kvbus.KVEventBatch) for e in m.body.events
-               if isinstance(e, AllBlocksCleared)]  # fmt: skip
-    assert len(cleared) == 2
-    assert indexed(kv).blocks(sim.source(0)) == pool_hashes(sim, 0) != set()
+    await assert_clears_and_pool(sim, nats_server, 2)
     status, invalid = await sim.post(0, "/reset_prefix_cache?reset_running_requests=maybe")
     assert status == 400 and "reset_running_requests" in invalid["error"]["message"]
     # A restart fails the request in flight and starts a new epoch with an empty cache.

@@ -38,6 +38,8 @@ class Routed(Protocol):
     ended: bool
     routed_at: float
     predicted_ttft: float
+    peer: str
+    """The replica that routed it ("" for this router)."""
 
 
 class RequestsInFlight:
@@ -64,8 +66,10 @@ class RequestsInFlight:
         ago: the engine's next load record may still count them"""
         self._ended_count: dict[int, int] = {}
         self._unstarted: dict[int, deque[Routed]] = {}
-        """worker -> this router's requests routed there, oldest first; those that
-        started or ended are dropped when they reach the head"""
+        """worker -> this router's own requests routed there, oldest first; those that
+        started or ended are dropped when they reach the head. Not other replicas':
+        their times are theirs, and a start or an end lost on the bus (or forged)
+        would make one look late for as long as it counts."""
 
     # --- counts ----------------------------------------------------------------------
 
@@ -86,8 +90,9 @@ class RequestsInFlight:
         return count + self._streaming.get(number, 0) + self._ended_count.get(number, 0)
 
     def oldest_unstarted(self, number: int) -> Routed | None:
-        """The request routed to a worker longest ago that has not started streaming
-        (amortised O(1): requests start roughly in the order they were routed)."""
+        """This router's request routed to a worker longest ago that has not started
+        streaming (amortised O(1): requests start roughly in the order they were
+        routed)."""
         waiting = self._unstarted.get(number)
         while waiting and (waiting[0].streaming or waiting[0].ended):
             waiting.popleft()
@@ -105,7 +110,8 @@ class RequestsInFlight:
         queued = self._queued.setdefault(number, [0, 0.0])
         queued[0] += 1
         queued[1] += request.prefill_blocks
-        self._unstarted.setdefault(number, deque()).append(request)
+        if not request.peer:
+            self._unstarted.setdefault(number, deque()).append(request)
         pending = self.pending.setdefault(number, {})
         masks, bit = self.pending_masks, 1 << number
         for key in request.keys:
