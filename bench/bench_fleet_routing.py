@@ -49,7 +49,7 @@ The vllm-router runs go on a fleet of their own at a quarter of ``--speedup``
 (``--speedup-for``): vllm-router renders each prompt on every engine, which on one sim
 process costs 8 tokenizations a request. Time on 2 cores: about 28 min for (a) and (e),
 as long again for the other four (the vllm-router rows take about 60% of it); ``--quick``
-runs (a) and (e) once, half as long (about 8 min, estimated);
+runs (a) and (e) once, half as long (about 7 min; all six scenarios so, 30 min);
 ``--routers`` picks fewer.
 
     python bench/bench_fleet_routing.py [--quick] [--scenarios a,e,c,f,d,b]
