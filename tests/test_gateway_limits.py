@@ -47,6 +47,19 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"data": [{"id": "m", "root": "m"}]})
 
 
+async def echo(request: web.Request) -> web.Response:
+    """What arrived: method, path and query, body, content type."""
+    body = await request.read()
+    return web.json_response(
+        {
+            "method": request.method,
+            "path": request.path_qs,
+            "body": body.decode(),
+            "content_type": request.headers.get("Content-Type"),
+        }
+    )
+
+
 class Fleet:
     """Scripted workers on loopback, load records on the bus, and the router."""
 
@@ -62,6 +75,7 @@ class Fleet:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", generate)
         app.router.add_get("/v1/models", models)
+        app.router.add_route("*", "/echo/{tail:.*}", echo)
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         port = free_port()
@@ -284,11 +298,28 @@ async def test_half_sent_requests_are_closed(fleet: Fleet, tokenizer: Path) -> N
     assert fleet.app is not None and fleet.app.metrics.slow_clients._value.get() == 1
 
 
-async def test_every_router_error_has_vllms_shape(fleet: Fleet, tokenizer: Path) -> None:
+async def test_a_path_the_router_does_not_route_by_prompt_goes_to_a_worker_unchanged(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """Embeddings, pooling, audio, a newer vLLM's endpoints: method, path, query, body and
+    content type as sent, the worker's answer (a 404 included) as given."""
     await fleet.worker("a")
     await fleet.run_router(tokenizer)
+    form = aiohttp.FormData({"model": "m"})
+    form.add_field("file", b"RIFF....WAVE", filename="a.wav", content_type="audio/wav")
     async with aiohttp.ClientSession() as session:
+        async with session.put(
+            f"{fleet.router_url}/echo/v1/audio/transcriptions?language=en", data=form
+        ) as response:
+            seen = await response.json()
+            worker = response.headers["x-kvbus-worker"]
+        async with session.get(f"{fleet.router_url}/echo/version") as response:
+            version = await response.json()
         async with session.get(f"{fleet.router_url}/v1/nonexistent") as response:
-            body = await response.json()
-    assert response.status == 404
-    assert body["error"]["code"] == 404 and body["error"]["type"] == "HTTPNotFound"
+            missing = (response.status, await response.text())
+    assert response.status == 404 and worker.startswith("a")
+    assert seen["method"] == "PUT" and seen["path"] == "/echo/v1/audio/transcriptions?language=en"
+    assert seen["content_type"].startswith("multipart/form-data; boundary=")
+    assert 'filename="a.wav"' in seen["body"] and "RIFF....WAVE" in seen["body"]
+    assert version == {"method": "GET", "path": "/echo/version", "body": "", "content_type": None}
+    assert missing == (404, "404: Not Found")  # the worker's own answer, not the router's

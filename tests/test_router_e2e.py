@@ -8,6 +8,8 @@ so the policy decides how much is found cached; what counts is what the engines 
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
 import urllib.error
 import urllib.request
@@ -25,11 +27,20 @@ WORKERS = {"a/dp0", "b/dp0"}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("router-cluster"), blocks=40)
+    # vLLM keeps Responses API responses (previous_response_id) only when asked to.
+    store, os.environ["VLLM_ENABLE_RESPONSES_API_STORE"] = (
+        os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE"),
+        "1",
+    )
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+        if store is None:
+            del os.environ["VLLM_ENABLE_RESPONSES_API_STORE"]
+        else:
+            os.environ["VLLM_ENABLE_RESPONSES_API_STORE"] = store
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +116,77 @@ def test_responses_pass_through_unchanged(cluster: Cluster, router: RouterProces
         if line.startswith("kvbus_router_reported_cached_tokens_sum")
     )
     assert reported >= 288
+
+
+def words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(4, 1024)}" for _ in range(n))
+
+
+def test_the_responses_and_anthropic_apis_route_by_prompt_and_predict_the_cache(
+    cluster: Cluster, router: RouterProcess
+) -> None:
+    model = str(cluster.model)
+    responses = {"model": model, "instructions": words(1, 20), "input": words(2, 200)}
+    responses["max_output_tokens"] = 3
+    anthropic = {
+        "model": model,
+        "max_tokens": 3,
+        "system": [{"type": "text", "text": words(3, 20)}],
+    }
+    anthropic["messages"] = [{"role": "user", "content": [{"type": "text", "text": words(4, 200)}]}]
+    for path, body, cached_of in (
+        ("/v1/responses", responses, lambda r: r["usage"]["input_tokens_details"]["cached_tokens"]),
+        ("/v1/messages", anthropic, lambda r: r["usage"]["cache_read_input_tokens"]),
+    ):
+        status, first, _ = post(f"{router.url}{path}", body)
+        assert status == 200 and first["x-kvbus-worker"] in WORKERS
+        status, again, answer = post(f"{router.url}{path}", body)
+        assert status == 200 and again["x-kvbus-worker"] == first["x-kvbus-worker"], path
+        # The router read the prompt as vLLM built it: what it expected found is what was.
+        assert cached_of(answer) >= 6 * 16, (path, answer["usage"])
+        assert int(again["x-kvbus-predicted-cached-tokens"]) == cached_of(answer), path
+
+
+def test_a_stored_response_is_followed_where_it_was_made(
+    cluster: Cluster, router: RouterProcess
+) -> None:
+    """vLLM keeps a response (and its conversation) on the engine that made it: a request
+    that names it anywhere else is a 404. Each new conversation here would go to either
+    engine by its prompt; its follow-ups go where it started."""
+    model = str(cluster.model)
+    homes = set()
+    for seed in range(6):
+        body = {"model": model, "input": words(100 + seed, 120), "max_output_tokens": 2}
+        status, headers, made = post(f"{router.url}/v1/responses", body)
+        assert status == 200 and made["id"].startswith("resp_"), made
+        home = headers["x-kvbus-worker"]
+        homes.add(home)
+        follow = {"model": model, "input": words(200 + seed, 120), "max_output_tokens": 2}
+        status, headers, answer = post(
+            f"{router.url}/v1/responses", follow | {"previous_response_id": made["id"]}
+        )
+        assert (status, headers["x-kvbus-worker"]) == (200, home), answer
+        with urllib.request.urlopen(f"{router.url}/v1/responses/{made['id']}", timeout=30) as r:
+            assert r.headers["x-kvbus-worker"] == home and json.load(r)["id"] == made["id"]
+    assert homes == WORKERS  # both engines made some: the follow-ups did not just land there
+
+
+def test_the_rest_of_vllms_api_passes_through(cluster: Cluster, router: RouterProcess) -> None:
+    """/tokenize, /detokenize, /version, and what this engine does not serve (embeddings on
+    a generating model): vLLM's own answer, through the router."""
+    model = str(cluster.model)
+    base = cluster.workers["a"]
+    for path, body in (
+        ("/tokenize", {"model": model, "prompt": "w5 w6 w7"}),
+        ("/detokenize", {"model": model, "tokens": [5, 6, 7]}),
+        ("/v1/embeddings", {"model": model, "input": "w5 w6"}),
+    ):
+        routed, direct = post(f"{router.url}{path}", body), post(f"{base}{path}", body)
+        assert routed[0] == direct[0] and routed[1]["x-kvbus-worker"] in WORKERS, path
+        assert routed[2] == direct[2], path
+    with urllib.request.urlopen(f"{router.url}/version", timeout=10) as response:
+        assert "version" in json.load(response)
 
 
 @pytest.mark.parametrize(

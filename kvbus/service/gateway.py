@@ -244,6 +244,9 @@ class RouterApp:
         app.router.add_get("/v1/models", http.list_models)
         app.router.add_get("/metrics", http.prometheus)
         app.router.add_get("/health", http.health)
+        app.router.add_post("/v1/responses", http.responses)
+        app.router.add_post("/v1/messages", http.anthropic)
+        app.router.add_route("*", "/{path:.*}", http.pass_through)
         app.cleanup_ctx.append(self._lifetime)
         return app
 

@@ -1,4 +1,6 @@
-"""The router service's HTTP side: the OpenAI endpoints it routes (completions, chat),
+"""The router service's HTTP side: the endpoints it routes by prompt (completions, chat,
+the Responses API, Anthropic's ``/v1/messages``), every other path a vLLM server serves
+passed through by load (embeddings, pooling, score, rerank, audio, ``/tokenize``, ...),
 the model list, ``/metrics`` and ``/health``; every error it gives in vLLM's shape; the
 time a connection gets for each request head (``--header-timeout``) and a body
 (``--body-timeout``), and the bytes a body may have."""
@@ -15,9 +17,10 @@ import aiohttp
 import prometheus_client as prom
 from aiohttp import web
 
-from kvbus.routing.router import Router
+from kvbus.routing.router import Decision, Router
 from kvbus.service.bus_followers import BusFollowers
 from kvbus.service.bus_watch import BusWatch
+from kvbus.service.response_homes import ResponseHomes
 from kvbus.service.router_metrics import Metrics
 from kvbus.service.served_model import ServedModel, Tokenize
 from kvbus.service.upstream import (
@@ -80,6 +83,9 @@ class RouterHTTP:
             )
         self.max_body_bytes = max_body_bytes
         self.bodies = BodyBudget(max_held_body_bytes)
+        self.homes = ResponseHomes()
+        """Where each Responses API response was made (`remember`)."""
+        upstream.answered = self.remember
         self.header_timeout = 10.0
         """Set by `kvbus.service.gateway.start`: seconds for each request head, from the
         connection's opening or its previous response."""
@@ -102,6 +108,29 @@ class RouterHTTP:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda t, body: t.chat(body))
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: by its prompt, or to the worker that made the response
+        its ``previous_response_id`` names (that engine holds the conversation)."""
+        return await self._generate(request, lambda t, body: t.responses(body))
+
+    async def anthropic(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/messages`` (Anthropic's API, which vLLM serves): by its prompt."""
+        return await self._generate(request, lambda t, body: t.anthropic(body))
+
+    async def pass_through(self, request: web.Request) -> web.StreamResponse:
+        """Any other path, any method, sent on unchanged to a worker chosen by load: what
+        vLLM serves without a prompt to route by (embeddings, pooling, score, rerank,
+        audio) and what the router does not know (a newer vLLM's endpoints). A stored
+        response (``/v1/responses/{id}``, its ``/cancel``) goes where it was made.
+        ``/tokenize`` too goes by load: it computes nothing, so where it runs caches
+        nothing, and routing it by prefix would count its prompt as soon cached there."""
+        return await self._generate(request, None)
+
+    def remember(self, request: web.Request, decision: Decision, status: int, head: bytes) -> None:
+        """`Upstream.answered`: a new response's id and where it was made."""
+        if status == 200 and request.path == "/v1/responses":
+            self.homes.answered(decision.worker, head)
+
     @web.middleware
     async def errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Every error the router gives in vLLM's shape, none as aiohttp's text/plain."""
@@ -121,13 +150,18 @@ class RouterHTTP:
             # its head as the first did: aiohttp alone would wait its keepalive_timeout.
             self.expect_head(request.protocol, self.header_timeout)
 
-    async def _generate(self, request: web.Request, tokenize: Tokenize) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, tokenize: Tokenize | None
+    ) -> web.StreamResponse:
         body = RequestBody(self.bodies)
         try:
             refused = await self._receive(request, body)
             if refused is not None:  # (a response is a mapping: falsy when empty)
                 return refused
-            return await self._route(request, body, tokenize)
+            home = self.homes.of_path(request.path)
+            if home is None and request.path == "/v1/responses":
+                home = self.homes.of_body(body.data)
+            return await self._route(request, body, tokenize, home)
         finally:
             body.release()
 
@@ -158,11 +192,17 @@ class RouterHTTP:
         )
 
     async def _route(
-        self, request: web.Request, body: RequestBody, tokenize: Tokenize
+        self,
+        request: web.Request,
+        body: RequestBody,
+        tokenize: Tokenize | None,
+        home: str | None = None,
     ) -> web.StreamResponse:
+        """Route the request (by its prompt, as ``tokenize`` reads it; by load alone
+        without one; to ``home`` alone while it may get traffic) and send it on."""
         raw = body.data
         started = time.perf_counter()
-        read = await self.served.read(raw, tokenize)
+        read = await self.served.read(raw, tokenize) if tokenize is not None else ([], None)
         if read is None:  # the engine explains what is wrong with it
             self.metrics.unrouted.inc()
             tokens: list[int] = []
@@ -171,6 +211,8 @@ class RouterHTTP:
             tokens, lora = read
         del raw  # only ``body`` holds it now: released once no retry can need it
         tried: set[str] = set()
+        if home is not None and home in (eligible := self.router.eligible()):
+            tried.update(w for w in eligible if w != home)
         busy = False
         while True:
             decision = self.router.route(tokens, lora, exclude=tried)

@@ -58,6 +58,50 @@ class Tokenizer:
             {**m, "content": _text(m.get("content"))} if isinstance(m, dict) else m
             for m in body["messages"]
         ]
+        return self._templated(messages, body)
+
+    def responses(self, body: dict[str, Any]) -> list[int]:
+        """A Responses API request's prompt as vLLM builds it (`construct_input_messages`):
+        ``instructions`` as the system message, then ``input``, a string (one user
+        message) or its message items. A ``previous_response_id``'s history is the
+        engine's (the router sends such a request where that response was made)."""
+        messages: list[dict[str, Any]] = []
+        if body.get("instructions"):
+            messages.append({"role": "system", "content": body["instructions"]})
+        given = body["input"]
+        if isinstance(given, str):
+            messages.append({"role": "user", "content": given})
+        else:
+            messages += (
+                {"role": m["role"], "content": _text(m.get("content"))}
+                for m in given
+                if isinstance(m, dict) and m.get("type", "message") == "message"
+            )
+        return self._templated(messages, {})
+
+    def anthropic(self, body: dict[str, Any]) -> list[int]:
+        """An Anthropic ``/v1/messages`` request's prompt as vLLM converts it to a chat
+        (`AnthropicServingMessages.to_chat_completion_request`): the system text first
+        (its blocks joined, less Claude Code's per-request billing header), then each
+        message's text blocks (as chat content parts)."""
+        system = body.get("system")
+        blocks = [{"type": "text", "text": system}] if isinstance(system, str) else system or []
+        text = "".join(
+            b.get("text") or ""
+            for b in blocks
+            if isinstance(b, dict)
+            and b.get("type") == "text"
+            and not str(b.get("text", "")).startswith("x-anthropic-billing-header")
+        )
+        messages = [{"role": "system", "content": text}] if text else []
+        messages += (
+            {"role": m["role"], "content": _text(m.get("content"))}
+            for m in body["messages"]
+            if isinstance(m, dict)
+        )
+        return self._templated(messages, {})
+
+    def _templated(self, messages: list[Any], body: dict[str, Any]) -> list[int]:
         text = self.hf.apply_chat_template(
             messages,
             tokenize=False,

@@ -18,7 +18,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import aiohttp
@@ -37,7 +37,18 @@ _STREAM_TAIL: Final = 8192
 _HOP_BY_HOP: Final = {
     "content-length", "transfer-encoding", "connection", "keep-alive", "server", "date",
 }  # fmt: skip
-_FORWARDED: Final = ("Content-Type", "Authorization", "Accept", "X-Request-Id")
+_FORWARDED: Final = (
+    "Content-Type",
+    "Authorization",
+    "Accept",
+    "X-Request-Id",
+    "X-Api-Key",  # Anthropic clients' key (/v1/messages), which vLLM accepts too
+    "Anthropic-Version",
+    "Anthropic-Beta",
+)
+_HEAD: Final = 4096
+Answered = Callable[[web.Request, Decision, int, bytes], None]
+"""Told a worker's answer's status and first bytes (`Upstream.answered`)."""
 QUICK: Final = aiohttp.ClientTimeout(total=5)  # a model list, not a generation
 QUICK_CONNECTIONS: Final = 8
 """Model lists (``/v1/models``, discovery) in flight at once, all workers together: on
@@ -121,6 +132,9 @@ class Upstream:
         """Per worker address: its --worker-connections, taken by a request for as long
         as its response lasts (then its connection is back in the pool)."""
         self.quick_slots = asyncio.Semaphore(QUICK_CONNECTIONS)
+        self.answered: Answered | None = None
+        """Told the start of every answer a worker gives (its first ``_HEAD`` bytes:
+        a whole answer's, or a stream's first chunk's), with its status."""
         self._bases: dict[str, tuple[str, str | None, asyncio.Semaphore]] = {}
 
     def open(self) -> None:
@@ -177,8 +191,11 @@ class Upstream:
             sent = time.perf_counter()
             try:
                 async with asyncio.timeout(self.worker_timeout):
-                    upstream = await self.session.post(
-                        base + request.path, data=body.data, headers=headers
+                    upstream = await self.session.request(
+                        request.method,
+                        base + request.path_qs,
+                        data=body.data if body.data or request.method != "GET" else None,
+                        headers=headers,
                     )
             except (aiohttp.ClientError, TimeoutError) as error:
                 # Refused, dropped, silent or not HTTP, before anything reached the client.
@@ -202,6 +219,8 @@ class Upstream:
                         raise WorkerUnreachable(failure_text(error, self.worker_timeout)) from error
                     body.release()
                     self.router.started(decision)
+                    if self.answered is not None:
+                        self.answered(request, decision, upstream.status, answer[:_HEAD])
                     response = await self._reply(request, upstream, decision, answer)
         finally:
             slots.release()
@@ -304,6 +323,8 @@ class Upstream:
                 break
             if not tail:  # the first bytes: the engine is past this prompt's prefill
                 self.router.started(decision)
+                if self.answered is not None:
+                    self.answered(request, decision, upstream.status, bytes(chunk[:_HEAD]))
             if not await self._send(request, response.write(chunk), decision):
                 return response, bytearray()
             tail += chunk
@@ -352,14 +373,21 @@ class WorkerBusy(Exception):
 
 def cached_tokens(body: bytes | bytearray, streamed: bool) -> int | Unreported | None:
     """``usage.prompt_tokens_details.cached_tokens`` of a response (a stream's usage is
-    in its last data event, sent with ``stream_options.include_usage``); `UNREPORTED`:
-    usage without it; None: no usage."""
+    in its last data event, sent with ``stream_options.include_usage``); the Responses
+    API's ``input_tokens_details.cached_tokens`` (a stream's, in its
+    ``response.completed`` event), the Anthropic API's ``cache_read_input_tokens``;
+    `UNREPORTED`: usage without it; None: no usage."""
     if streamed:
         events = [line[6:] for line in body.splitlines() if line.startswith(b"data: {")]
         body = events[-1] if events else b""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-        usage = json.loads(body)["usage"]
-        details = usage.get("prompt_tokens_details")
+        answer = json.loads(body)
+        usage = answer.get("usage") or (answer.get("response") or {}).get("usage")
+        if usage is None:
+            return None
+        if usage.get("cache_read_input_tokens") is not None:
+            return int(usage["cache_read_input_tokens"])
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
         cached = None if details is None else details.get("cached_tokens")
         return UNREPORTED if cached is None else int(cached)
     return None
