@@ -148,6 +148,26 @@ def test_the_responses_and_anthropic_apis_route_by_prompt_and_predict_the_cache(
         assert int(again["x-kvbus-predicted-cached-tokens"]) == cached_of(answer), path
 
 
+def test_salted_prompts_are_predicted_as_the_engine_keys_them(
+    cluster: Cluster, router: RouterProcess
+) -> None:
+    """vLLM hashes a request's ``cache_salt`` into its first block: the same prompt under
+    another salt (or none) shares nothing with it. The router keys it so: what it
+    predicts is what the engine finds, salted, unsalted and salted otherwise."""
+    model = str(cluster.model)
+    prompt = {"model": model, "prompt": words(300, 200), "max_tokens": 2}
+    seen = []
+    for salt in ("tenant-a", "tenant-a", None, "tenant-b", "tenant-b", None):
+        body = prompt if salt is None else prompt | {"cache_salt": salt}
+        status, headers, answer = post(f"{router.url}/v1/completions", body)
+        assert status == 200, answer
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        seen.append((salt, int(headers["x-kvbus-predicted-cached-tokens"]), cached))
+    assert [predicted == cached for _, predicted, cached in seen] == [True] * 6, seen
+    # Each salt's first request found nothing of the others'; its second found its own.
+    assert [cached > 0 for _, _, cached in seen] == [False, True, False, False, True, True]
+
+
 def test_a_stored_response_is_followed_where_it_was_made(
     cluster: Cluster, router: RouterProcess
 ) -> None:

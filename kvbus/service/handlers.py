@@ -22,7 +22,7 @@ from kvbus.service.bus_followers import BusFollowers
 from kvbus.service.bus_watch import BusWatch
 from kvbus.service.response_homes import ResponseHomes
 from kvbus.service.router_metrics import Metrics
-from kvbus.service.served_model import ServedModel, Tokenize
+from kvbus.service.served_model import LOAD_ONLY, ServedModel, Tokenize
 from kvbus.service.upstream import (
     QUICK,
     BodyBudget,
@@ -202,20 +202,17 @@ class RouterHTTP:
         without one; to ``home`` alone while it may get traffic) and send it on."""
         raw = body.data
         started = time.perf_counter()
-        read = await self.served.read(raw, tokenize) if tokenize is not None else ([], None)
+        read = await self.served.read(raw, tokenize) if tokenize is not None else LOAD_ONLY
         if read is None:  # the engine explains what is wrong with it
             self.metrics.unrouted.inc()
-            tokens: list[int] = []
-            lora = None
-        else:
-            tokens, lora = read
+            read = LOAD_ONLY
         del raw  # only ``body`` holds it now: released once no retry can need it
         tried: set[str] = set()
         if home is not None and home in (eligible := self.router.eligible()):
             tried.update(w for w in eligible if w != home)
         busy = False
         while True:
-            decision = self.router.route(tokens, lora, exclude=tried)
+            decision = self.router.route(*read, exclude=tried)
             self.metrics.decision.observe(time.perf_counter() - started)
             if decision is None:
                 self.metrics.no_worker.inc()

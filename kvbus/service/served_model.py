@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import aiohttp
 
@@ -26,7 +26,21 @@ _INLINE_TOKENIZE_BYTES: Final = 2048
 loop: the hop to a tokenizer thread and back costs more than that (and up to the GIL's
 5 ms switch interval when another thread holds it). Larger ones go to the threads."""
 _TOKEN_LIMIT: Final = 2**32  # vLLM's token ids are unsigned 32-bit
-_LOAD_ONLY: Final[tuple[list[int], None]] = ([], None)  # routed by load alone
+
+
+class Prompt(NamedTuple):
+    """What the router keys a request by: its token ids (none: routed by load alone),
+    its LoRA and the extra keys vLLM hashes into its blocks."""
+
+    tokens: list[int]
+    lora: str | None = None
+    extra_keys: list[tuple[str] | None] | None = None
+    """vLLM's per-block extra keys beyond the LoRA's: a ``cache_salt`` goes into the
+    first block's (`generate_block_hash_extra_keys`), so a salted prompt shares no
+    block with the same prompt unsalted or salted otherwise."""
+
+
+LOAD_ONLY: Final = Prompt([])  # routed by load alone
 
 
 class Tokenizer:
@@ -152,13 +166,11 @@ class ServedModel:
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    async def read(
-        self, raw: bytes | bytearray, tokenize: Tokenize
-    ) -> tuple[list[int], str | None] | None:
-        """The prompt's token ids and LoRA (none: routed by load alone), or None when
-        the request cannot be read."""
+    async def read(self, raw: bytes | bytearray, tokenize: Tokenize) -> Prompt | None:
+        """The request's `Prompt` (no tokens: routed by load alone), or None when the
+        request cannot be read."""
         if len(raw) > self.max_tokenize_bytes:
-            return _LOAD_ONLY
+            return LOAD_ONLY
         if len(raw) <= _INLINE_TOKENIZE_BYTES:
             return self._tokens(raw, tokenize)
         loop = asyncio.get_running_loop()
@@ -210,10 +222,8 @@ class ServedModel:
             return
         log.info("tokenizer from %s", shown(path))
 
-    def _tokens(
-        self, raw: bytes | bytearray, tokenize: Tokenize
-    ) -> tuple[list[int], str | None] | None:
-        """The prompt's token ids and LoRA, or None when the request cannot be read."""
+    def _tokens(self, raw: bytes | bytearray, tokenize: Tokenize) -> Prompt | None:
+        """The request's `Prompt`, or None when the request cannot be read."""
         try:
             body = json.loads(raw)
             model = body.get("model")
@@ -222,10 +232,14 @@ class ServedModel:
             if body.get("chat_template") is not None:
                 return None  # whether to accept one is the engine's decision
             if self.tokenizer is None:
-                return [], None  # not discovered yet: load alone decides
+                return LOAD_ONLY  # not discovered yet: load alone decides
             tokens = tokenize(self.tokenizer, body)
         except Exception:
             return None
         if not all(0 <= t < _TOKEN_LIMIT for t in tokens):
             return None  # not token ids vLLM could have: it says why
-        return tokens, model if model in self.loras else None
+        salt = body.get("cache_salt")
+        extra: list[tuple[str] | None] | None = (
+            [(salt,)] if isinstance(salt, str) and salt else None
+        )  # vLLM refuses any other salt (400): then the key does not matter
+        return Prompt(tokens, model if model in self.loras else None, extra)
