@@ -90,6 +90,30 @@ def test_load_outweighs_a_short_prefix_per_the_weights() -> None:
     assert decision is not None and decision.worker == "b"
 
 
+def test_a_decision_names_what_the_best_worker_for_the_cache_held() -> None:
+    """Regret: the load term sent the prompt away from the worker holding a block of it,
+    and a policy blind to the cache may do the same; each says what it gave up."""
+    r = router(weights=CostWeights(prefill=1, eviction=0, waiting=4, running=2))
+    r.apply_kv(kv("b", stored([1], PROMPT[:4])))
+    r.apply_metrics(load("b", running=1))
+    traded = r.route(PROMPT)
+    assert traded is not None and traded.worker == "a"
+    assert (traded.predicted_cached_tokens, traded.best_cached_tokens) == (0, 4)
+    blind = router("round_robin")
+    blind.apply_kv(kv("a", stored([1, 2, 3], PROMPT[:12])))
+    picks = [blind.route(PROMPT) for _ in range(2)]
+    # The first to b gave up a's 12 tokens; then b is about to hold all 32 (the first
+    # request's blocks), which the second, sent to a, gives up for a's 12.
+    assert [(d.worker, d.predicted_cached_tokens, d.best_cached_tokens) for d in picks if d] == [
+        ("b", 0, 12),
+        ("a", 12, 32),
+    ]
+    whole = router()
+    whole.apply_kv(kv("a", stored([1, 2, 3], PROMPT[:12])))
+    held = whole.route(PROMPT[:12])  # all of it held: vLLM recomputes the last block
+    assert held is not None and (held.predicted_cached_tokens, held.best_cached_tokens) == (8, 8)
+
+
 def test_a_burst_follows_the_first_request_before_any_event() -> None:
     clock = Clock()
     r = router(clock=clock)

@@ -360,3 +360,8 @@ def test_routing_accuracy_is_a_live_metric(cluster: Cluster, router: RouterProce
     assert grew("kvbus_router_predictions_total:exact") == exact
     assert sum(grew(f"kvbus_router_predictions_total:{o}") for o in ("exact", "over", "under")) == 3
     assert grew("kvbus_router_prediction_error_tokens_sum") == reported - predicted
+    # Regret: the kv policy sent each where the most of it was held (the second and
+    # third found their predecessors' blocks), so it gave up nothing.
+    assert grew("kvbus_router_best_cached_tokens_sum") == predicted
+    assert grew("kvbus_router_regret_tokens_count") == 6  # against predicted and reported
+    assert grew("kvbus_router_regret_tokens_sum") == predicted - reported

@@ -98,6 +98,11 @@ class Decision(msgspec.Struct, kw_only=True):
     predicted_cached_tokens: int
     """What the engine should report as ``cached_tokens``: the matched full blocks, less
     the last one when the whole prompt matched (vLLM always computes one token)."""
+    best_cached_tokens: int = 0
+    """``predicted_cached_tokens`` of the eligible worker holding the longest prefix of
+    the prompt: what the best placement for the cache alone would have found. Less
+    ``predicted_cached_tokens``, the regret of the choice (load, pace or a policy that
+    does not look at the cache traded it away)."""
     cost: float
     prefill_blocks: float = 0.0
     """Blocks the worker would compute (held ones off the GPU count in part)."""
@@ -202,15 +207,18 @@ class CostModel:
         eligible = np.flatnonzero(np.isfinite(load))
         if not len(eligible):
             return None
+        depth = self._depths(state, keys, len(load))
+        best_held = int(depth[eligible].max())
         if self.policy is not Policy.KV:
             if self.policy is Policy.ROUND_ROBIN:
                 self._turn += 1
                 number = int(eligible[self._turn % len(eligible)])
             else:
                 number = int(self._rng.choice(eligible))
-            held = self._depth(state, number, keys)
-            return self._decide(state, number, keys, held, prompt_tokens, float(load[number]))
-        depth = self._depths(state, keys, len(load))
+            held = int(depth[number])
+            return self._decide(
+                state, number, keys, held, prompt_tokens, float(load[number]), best_held
+            )
         saved = self._weighted(state, depth, keys) if self.index.offloaded else depth
         w = self.weights
         new = len(keys) - depth
@@ -225,7 +233,9 @@ class CostModel:
         best = float(cost.min())
         ties = np.flatnonzero(cost <= best + 1e-9)
         number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
-        decision = self._decide(state, number, keys, int(depth[number]), prompt_tokens, best)
+        decision = self._decide(
+            state, number, keys, int(depth[number]), prompt_tokens, best, best_held
+        )
         decision.prefill_blocks = float(len(keys) - saved[number])
         decision.excess = float(excess[number])
         decision.pace = float(pace[number])
@@ -301,11 +311,6 @@ class CostModel:
                 saved[number] = top - len(stored) + self.index.weighted_blocks(name, stored)
         return saved
 
-    def _depth(self, state: FleetState, number: int, keys: list[int]) -> int:
-        """Leading blocks of ``keys`` one worker holds or is about to."""
-        groups = self.index.match_masks(keys, state.pending_masks)
-        return next((blocks for mask, blocks in reversed(groups) if mask >> number & 1), 0)
-
     def _numbers(self, mask: int) -> npt.NDArray[np.intp]:
         """The worker numbers in a holder mask (large ones recur: cached)."""
         if mask.bit_count() <= _FEW:
@@ -326,18 +331,20 @@ class CostModel:
         blocks: int,
         prompt_tokens: int,
         cost: float,
+        best_held: int,
     ) -> Decision:
         block_size = self.index.block_size or 0
         matched = blocks * block_size
         # vLLM computes at least the last prompt token, so a fully cached prompt reports
         # its last block as computed (whole blocks only).
-        cap = (prompt_tokens - 1) // block_size * block_size if block_size else 0
+        cap = max((prompt_tokens - 1) // block_size * block_size if block_size else 0, 0)
         return Decision(
             worker=self.index.worker_name(number),
             policy=self.policy,
             prompt_tokens=prompt_tokens,
             matched_tokens=matched,
-            predicted_cached_tokens=min(matched, max(cap, 0)),
+            predicted_cached_tokens=min(matched, cap),
+            best_cached_tokens=min(best_held * block_size, cap),
             cost=cost,
             prefill_blocks=float(len(keys) - blocks),
             new_blocks=len(keys) - blocks,

@@ -109,6 +109,21 @@ class Metrics:
             "Reported less predicted cached tokens (negative: the router expected more)",
             _ERROR_BUCKETS,
         )
+        # Regret: how much more the worker holding the most of the prompt held.
+        self.best = histogram(
+            "best_cached_tokens",
+            "Prompt tokens the eligible worker holding the longest prefix was expected to "
+            "find cached (per request whose response carried usage)",
+            _TOKEN_BUCKETS,
+        )
+        self.regret = histogram(
+            "regret_tokens",
+            "best_cached_tokens less the chosen worker's: against=predicted, what the "
+            "router traded for load; against=reported, what was lost in fact (negative: "
+            "the engine found more than the router thought any worker held)",
+            _ERROR_BUCKETS,
+            (*per_worker, "against"),
+        )
         self.predictions = counter(
             "predictions",
             "Predictions checked against usage, by outcome: exact, over, under; unreported: "
@@ -157,6 +172,10 @@ class Metrics:
         self.predicted.labels(*labels).observe(predicted)
         self.reported.labels(*labels).observe(reported)
         self.error.labels(*labels).observe(reported - predicted)
+        best = decision.best_cached_tokens
+        self.best.labels(*labels).observe(best)
+        self.regret.labels(*labels, "predicted").observe(best - predicted)
+        self.regret.labels(*labels, "reported").observe(best - reported)
         outcome = "exact" if reported == predicted else "over" if predicted > reported else "under"
         self.predictions.labels(*labels, outcome).inc()
 
