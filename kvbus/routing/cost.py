@@ -201,16 +201,24 @@ class CostModel:
         load: npt.NDArray[np.float64],
         keys: list[int],
         prompt_tokens: int,
+        stay: tuple[int, float] | None = None,
     ) -> Decision | None:
         """The pick among the workers of finite ``load`` for a prompt of ``keys``
-        (``None``: none may get traffic)."""
+        (``None``: none may get traffic). ``stay`` (a worker's number, a slack in
+        blocks): that worker, if it may get traffic and costs at most the slack over
+        the best (any policy but kv: whenever it may get traffic)."""
         eligible = np.flatnonzero(np.isfinite(load))
         if not len(eligible):
             return None
         depth = self._depths(state, keys, len(load))
         best_held = int(depth[eligible].max())
+        home = stay[0] if stay is not None and stay[0] < len(load) else -1
+        if home >= 0 and not np.isfinite(load[home]):
+            home = -1  # down, stale or excluded: the session moves
         if self.policy is not Policy.KV:
-            if self.policy is Policy.ROUND_ROBIN:
+            if home >= 0:
+                number = home
+            elif self.policy is Policy.ROUND_ROBIN:
                 self._turn += 1
                 number = int(eligible[self._turn % len(eligible)])
             else:
@@ -231,8 +239,11 @@ class CostModel:
         if affinity is not None:
             cost += affinity
         best = float(cost.min())
-        ties = np.flatnonzero(cost <= best + 1e-9)
-        number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
+        if home >= 0 and stay is not None and cost[home] <= best + stay[1]:
+            number, best = home, float(cost[home])
+        else:
+            ties = np.flatnonzero(cost <= best + 1e-9)
+            number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
         decision = self._decide(
             state, number, keys, int(depth[number]), prompt_tokens, best, best_held
         )

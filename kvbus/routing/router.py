@@ -38,6 +38,7 @@ from kvbus.routing.cost import CostModel, CostWeights, Decision, Policy
 from kvbus.routing.fleet_state import MAX_KV_CACHE_BLOCKS, FleetState
 from kvbus.routing.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex
 from kvbus.routing.peers import MAX_PEER_KEYS, MAX_PEER_REQUESTS, MAX_PEERS, PeerRequests
+from kvbus.routing.sessions import Sessions
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import LoadMetrics, RouteEvent, SourceStopped
 
@@ -60,8 +61,16 @@ class Router:
         replica: str | None = None,
         peer_timeout: float = 600.0,
         shed_after: float | None = None,
+        session_slack: float = 64.0,
+        session_ttl: float = 600.0,
     ) -> None:
         self.shed_after = shed_after
+        self.session_slack = session_slack
+        """Blocks of prefill: a session's request goes where its last one went unless
+        that worker may not get traffic or costs more than this over the best worker
+        (overloaded, or its cache lost the prefix); inf: wherever it may get traffic."""
+        self.sessions = Sessions(session_ttl)
+        """Where each session's requests went (this router's and its replicas')."""
         """Seconds: a request whose worker should take longer than this to its first
         token (`Decision.predicted_ttft`) is not routed but shed (`Decision.shed`): past
         its client's timeout it would only take the engine's time from others. None:
@@ -216,15 +225,20 @@ class Router:
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
         exclude: Collection[str] = (),
+        session: int = 0,
     ) -> Decision | None:
-        """The worker for a prompt (``None``: no worker may get traffic). Call
-        `finished` with the decision when the request ends, unless it is `Decision.shed`
-        (see ``shed_after``): then it was not routed."""
+        """The worker for a prompt (``None``: no worker may get traffic); a ``session``
+        (`kvbus.routing.sessions.session_key`; 0: none) stays where it went (see
+        ``session_slack``). Call `finished` with the decision when the request ends,
+        unless it is `Decision.shed` (see ``shed_after``): then it was not routed."""
         now = self._clock()
         self._expire(now)
         keys = self.index.keys(token_ids, lora_name, extra_keys)
         load = self.state.eligible_load(now, exclude)
-        decision = self.cost.choose(self.state, load, keys, len(token_ids))
+        home = self.sessions.worker(session, now) if session else None
+        number = None if home is None else self.state.load_workers.get(home)
+        stay = None if number is None else (number, self.session_slack)
+        decision = self.cost.choose(self.state, load, keys, len(token_ids), stay)
         if decision is None:
             return None
         decision.routed_at = now
@@ -244,6 +258,8 @@ class Router:
             decision.shed = True  # nothing assigned: the worker never hears of it
             return decision
         self.state.assign(decision)
+        if session:
+            self.sessions.assign(session, decision.worker, now)
         if self.share is not None:
             decision.request = next(self._requests)
             self.share(
@@ -255,6 +271,7 @@ class Router:
                     keys=keys,
                     prefill_blocks=decision.prefill_blocks,
                     new_blocks=decision.new_blocks,
+                    session=session,
                 )
             )
         return decision
@@ -310,6 +327,8 @@ class Router:
         peers = self.replica_requests
         if body.phase == "routed":
             number = self.state.load_workers.get(body.worker)
+            if body.session and number is not None:
+                self.sessions.assign(body.session, body.worker, self._clock())
             added = peers.add(item.source, body, number, self.policy, self._clock())
             if added is not None:
                 self.state.assign(added)

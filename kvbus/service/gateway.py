@@ -361,6 +361,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between reads of a worker's own /health and /metrics while the bus "
         "tells nothing of it (the bus down, or its engine publishing under another name)",
     )
+    parser.add_argument(
+        "--session-header",
+        default="x-session-id",
+        help="request header naming a session: its requests stay on one worker (shared "
+        "with the replicas on --routes-stream); empty: none",
+    )
+    parser.add_argument(
+        "--session-slack",
+        type=float,
+        default=64.0,
+        help="blocks of prefill: a session moves when its worker may not get traffic or "
+        "costs more than this over the best (overloaded, or its cache lost the prefix); "
+        "inf: only when it may not get traffic",
+    )
+    parser.add_argument(
+        "--session-ttl",
+        type=_positive_seconds,
+        default=600.0,
+        help="seconds a session's worker is remembered after its last request",
+    )
     parser.add_argument("--block-size", type=int, help="default: from the engines' events")
     parser.add_argument("--seed", type=int, default=0, help="for ties (same inputs, same picks)")
     limits = parser.add_argument_group("limits")
@@ -539,8 +559,10 @@ def build(args: argparse.Namespace) -> RouterApp:
         stale_after=args.stale_after,
         seed=args.seed,
         shed_after=args.shed_after,
+        session_slack=args.session_slack,
+        session_ttl=args.session_ttl,
     )
-    return RouterApp(
+    app = RouterApp(
         workers,
         router,
         args.url,
@@ -560,6 +582,8 @@ def build(args: argparse.Namespace) -> RouterApp:
         replica=args.replica,
         engine_poll_interval=args.engine_poll_interval,
     )
+    app.http.session_header = args.session_header
+    return app
 
 
 def serve(args: argparse.Namespace) -> int:

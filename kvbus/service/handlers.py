@@ -18,6 +18,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from kvbus.routing.router import Decision, Router
+from kvbus.routing.sessions import session_key
 from kvbus.service.bus_followers import BusFollowers
 from kvbus.service.bus_watch import BusWatch
 from kvbus.service.response_homes import ResponseHomes
@@ -86,6 +87,9 @@ class RouterHTTP:
         self.homes = ResponseHomes()
         """Where each Responses API response was made (`remember`)."""
         upstream.answered = self.remember
+        self.session_header = "x-session-id"
+        """The request header that names a session (`kvbus.routing.sessions`); set by
+        `kvbus.service.gateway.build` (``--session-header``; empty: none)."""
         self.header_timeout = 10.0
         """Set by `kvbus.service.gateway.start`: seconds for each request head, from the
         connection's opening or its previous response."""
@@ -207,12 +211,14 @@ class RouterHTTP:
             self.metrics.unrouted.inc()
             read = LOAD_ONLY
         del raw  # only ``body`` holds it now: released once no retry can need it
+        named = request.headers.get(self.session_header) if self.session_header else None
+        session = session_key(named) if named else 0
         tried: set[str] = set()
         if home is not None and home in (eligible := self.router.eligible()):
             tried.update(w for w in eligible if w != home)
         busy = False
         while True:
-            decision = self.router.route(*read, exclude=tried)
+            decision = self.router.route(*read, exclude=tried, session=session)
             self.metrics.decision.observe(time.perf_counter() - started)
             if decision is None:
                 self.metrics.no_worker.inc()

@@ -452,6 +452,9 @@ class RouteEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """The prompt's chained block keys (`kvbus.routing.index.PrefixIndex.keys`)."""
     prefill_blocks: float = 0.0
     new_blocks: int = 0
+    session: int = 0
+    """The request's session key (`kvbus.routing.sessions.session_key`; 0: none): the
+    other replicas send the session's next requests where this one went."""
 
 
 _routes_decoder: Final = msgspec.msgpack.Decoder(RouteEvent)
