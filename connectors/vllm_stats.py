@@ -13,8 +13,11 @@ epoch, and consumers see the engine ``stopped`` rather than silent.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
+import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -27,6 +30,33 @@ import kvbus
 from kvbus import metrics
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import LoadMetrics
+
+
+def advertised_url(argv: list[str] | None = None) -> str:
+    """Where this engine serves, for routers that discover it from the bus:
+    ``$KVBUS_ADVERTISE_URL`` (behind NAT, or a Kubernetes pod's IP), else the API
+    server's own ``--host``/``--port`` (this logger runs in its process): ``--host``
+    unset or a wildcard advertises the machine's host name; port 8000 unless given.
+    "" when the process is not vLLM's API server (no ``--port`` and not ``serve``)."""
+    given = os.environ.get("KVBUS_ADVERTISE_URL")
+    if given:
+        return given.rstrip("/")
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        known, _ = parser.parse_known_args(argv)
+    except SystemExit:  # a --port that is not a number: not ours to judge
+        return ""
+    if known.port is None and "serve" not in argv:
+        return ""
+    host = known.host
+    if not host or host in ("0.0.0.0", "::"):
+        host = socket.gethostname()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{known.port or 8000}"
 
 
 class KvbusStatLogger(StatLoggerBase):
@@ -61,6 +91,9 @@ class KvbusStatLogger(StatLoggerBase):
         self._latest = LoadMetrics(
             ts=time.time(), engine_index=engine_index, running=0, waiting=0, kv_cache_usage=0.0
         )
+        self.url = advertised_url()
+        names = vllm_config.model_config.served_model_name if vllm_config.model_config else None
+        self.model: str = (names[0] if names else "") if isinstance(names, list) else names or ""
         self._deltas = [0, 0, 0, 0]  # prefix queries, hits; connector queries, hits
         self._last_sent = 0.0
         self._closed = threading.Event()
@@ -125,6 +158,8 @@ class KvbusStatLogger(StatLoggerBase):
                 connector_prefix_cache_hits=connector_hits,
                 kv_cache_blocks=self._kv_cache_blocks(),
                 block_size=int(self.vllm_config.cache_config.block_size or 0),
+                url=self.url,
+                model=self.model,
             ),
             Kind.METRICS,
         )

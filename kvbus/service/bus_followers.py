@@ -16,6 +16,7 @@ from kvbus.bus.subscription import Message, Resync
 from kvbus.logs import LimitedLog, shown
 from kvbus.routing.router import Router
 from kvbus.routing.transfers import ConnectorMetrics
+from kvbus.service.discovery import WorkerDiscovery
 from kvbus.service.router_metrics import Metrics
 from kvbus.service.worker_names import RANK
 from kvbus.transports import open_transport
@@ -67,6 +68,8 @@ class BusFollowers:
         """Sources on the bus of no configured worker (`_MAX_OTHER_SOURCES` at most)."""
         self.load_sources: dict[str, set[str]] = {}
         """Per configured worker: its sources that sent load (bus or endpoint)."""
+        self.discovery: WorkerDiscovery | None = None
+        """Workers found on the bus (``--discover-hosts``; None: only those configured)."""
         self.kv_replayed = False
         """The kv stream's retained history is in the index."""
         self.load_read = False
@@ -136,6 +139,13 @@ class BusFollowers:
             await loads.follow()
 
     def _apply_load(self, item: Message | Resync, age: float = 0.0) -> None:
+        discovery = self.discovery
+        if discovery is not None:
+            body = item.body if isinstance(item, Message) else None
+            if isinstance(body, LoadMetrics) and body.url:
+                discovery.offer(item.source, body.url)
+            if RANK.sub("", item.source) not in self.workers:
+                return  # not a worker (yet): its load would make it eligible, unreachable
         if isinstance(item, Message) and isinstance(item.body, LoadMetrics):
             self.add_load_source(item.source)
         self.router.apply_metrics(item, age)
@@ -182,6 +192,8 @@ class BusFollowers:
         if name in self.workers:
             self.heard_names.add(name)
             return True
+        if self.discovery is not None:
+            return True  # may advertise itself: the metrics stream decides (`_apply_load`)
         others = self.other_sources
         if source not in others and len(others) < _MAX_OTHER_SOURCES:
             others[source] = None

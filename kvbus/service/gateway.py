@@ -69,7 +69,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Final
 
 from aiohttp import web, web_log
@@ -81,6 +81,7 @@ from kvbus.routing.router import CostWeights, Policy, Router
 from kvbus.routing.transfers import ConnectorMetrics
 from kvbus.service.bus_followers import BusFollowers
 from kvbus.service.bus_watch import ENGINE_METRICS_MAX_BYTES, BusWatch, engine_loads
+from kvbus.service.discovery import DEFAULT_HOSTS, AllowedHosts, WorkerDiscovery
 from kvbus.service.handlers import RouterHTTP, error_body
 from kvbus.service.router_metrics import UNREPORTED, Metrics, Unreported
 from kvbus.service.served_model import ServedModel, Tokenizer
@@ -146,6 +147,7 @@ class RouterApp:
         routes_stream: str | None = None,
         replica: str | None = None,
         engine_poll_interval: float = 1.0,
+        discover_hosts: Sequence[str] | None = None,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
         self.router = router
@@ -181,6 +183,10 @@ class RouterApp:
             connector_stream,
             routes_stream,
         )
+        if discover_hosts is not None:
+            self.followers.discovery = WorkerDiscovery(
+                self.workers, AllowedHosts(discover_hosts), self.upstream.forget_address
+            )
         self.watch = BusWatch(
             self.workers, router, self.metrics, self.followers, self.upstream, engine_poll_interval
         )
@@ -309,9 +315,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker",
         action="append",
-        required=True,
+        default=[],
         metavar="NAME=URL",
-        help="a vLLM server: its KVBUS_SOURCE and base URL (repeat for each)",
+        help="a vLLM server: its KVBUS_SOURCE and base URL (repeat for each); none: the "
+        "engines the bus tells of (their load records' URLs, within --discover-hosts)",
+    )
+    parser.add_argument(
+        "--discover-hosts",
+        action="append",
+        metavar="HOSTS",
+        help="route also to engines found on the bus whose advertised URL's host is in "
+        "these IP networks or names (comma-separated; '.example' for every name under "
+        f"it; default without --worker: {','.join(DEFAULT_HOSTS)})",
     )
     parser.add_argument("--policy", choices=[p.value for p in Policy], default="kv")
     parser.add_argument("--tokenizer", help="tokenizer dir (default: the served model's)")
@@ -528,9 +543,12 @@ def listening_line(app: RouterApp, server: asyncio.Server) -> str:
     workers, on which bus (its credentials hidden)."""
     host, port = server.sockets[0].getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
+    workers = ", ".join(app.workers)
+    if app.followers.discovery is not None:
+        workers = f"{workers}{'; ' if workers else ''}those the bus tells of"
     return (
         f"kvbus router listening on http://{where}:{port} "
-        f"(workers: {', '.join(app.workers)}; bus: {redact_url(app.url)})"
+        f"(workers: {workers}; bus: {redact_url(app.url)})"
     )
 
 
@@ -551,6 +569,8 @@ async def _serve_forever(
 
 def build(args: argparse.Namespace) -> RouterApp:
     workers = dict(w.split("=", 1) for w in args.worker)
+    hosts = [h for given in args.discover_hosts or [] for h in given.split(",")]
+    discover = hosts or (None if workers else list(DEFAULT_HOSTS))
     weights = CostWeights(**{k: float(v) for k, v in (w.split("=", 1) for w in args.weight)})
     router = Router(
         args.policy,
@@ -581,6 +601,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         routes_stream=args.routes_stream,
         replica=args.replica,
         engine_poll_interval=args.engine_poll_interval,
+        discover_hosts=discover,
     )
     app.http.session_header = args.session_header
     return app

@@ -184,7 +184,7 @@ class ServedModel:
         if self.tokenizer_path:
             await self._load_tokenizer(self.tokenizer_path, "--tokenizer")
         while True:
-            for base in self.workers.values():
+            for base in list(self.workers.values()):  # (found ones join meanwhile)
                 root = None
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     async with (

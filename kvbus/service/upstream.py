@@ -232,6 +232,11 @@ class Upstream:
                 self.metrics.observe_prediction(decision, reported)
         return response
 
+    def forget_address(self, name: str) -> None:
+        """Worker ``name`` (its ranks too) moved: its address is looked up again."""
+        for worker in [w for w in self._bases if RANK.sub("", w) == name]:
+            del self._bases[worker]
+
     def _worker_address(self, worker: str) -> tuple[str, str | None, asyncio.Semaphore]:
         """A worker's (``NAME/dpR``) base URL, data-parallel rank and connection slots
         (one set per address, as aiohttp pools connections), remembered."""

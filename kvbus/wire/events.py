@@ -140,6 +140,12 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     block_size: int = 0
     """Tokens per KV cache block (vLLM's ``--block-size``), so that a router keys prompts
     before the engine's first ``BlockStored``; 0: not reported."""
+    url: str = ""
+    """Where the engine serves its API (``http://HOST:PORT``): ``$KVBUS_ADVERTISE_URL``,
+    else vLLM's own ``--host``/``--port``; "" when not said. Untrusted input to whoever
+    reads it: ``kvbus router`` routes to it only within its ``--discover-hosts``."""
+    model: str = ""
+    """The engine's served model name (its first); "" when not said."""
 
 
 # --- connector payloads, published by kvbus.connectors.vllm_connector -----------------
