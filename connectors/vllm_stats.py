@@ -60,8 +60,9 @@ def advertised_url(argv: list[str] | None = None) -> str:
 
 
 class KvbusStatLogger(StatLoggerBase):
-    """``url`` and ``source`` default to ``KVBUS_URL`` and `engine_source`; `kvbus sim`
-    gives them for each of its engines."""
+    """``url`` and ``source`` default to ``KVBUS_URL`` and `engine_source`, ``advertise``
+    (where the engine serves) to `advertised_url`; `kvbus sim` gives them for each of
+    its engines."""
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class KvbusStatLogger(StatLoggerBase):
         *,
         url: str | None = None,
         source: str | None = None,
+        advertise: str | None = None,
     ) -> None:
         self.engine_index = engine_index
         self.vllm_config = vllm_config
@@ -91,7 +93,7 @@ class KvbusStatLogger(StatLoggerBase):
         self._latest = LoadMetrics(
             ts=time.time(), engine_index=engine_index, running=0, waiting=0, kv_cache_usage=0.0
         )
-        self.url = advertised_url()
+        self.url = advertise if advertise is not None else advertised_url()
         names = vllm_config.model_config.served_model_name if vllm_config.model_config else None
         self.model: str = (names[0] if names else "") if isinstance(names, list) else names or ""
         self._deltas = [0, 0, 0, 0]  # prefix queries, hits; connector queries, hits

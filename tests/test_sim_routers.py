@@ -14,6 +14,7 @@ import random
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -254,3 +255,17 @@ def test_peer_routers_serve_in_front_of_the_sim(fleet: SimFleet, run: str) -> No
         assert hits >= 1 and sum(c >= PREFIX_BLOCKS * BLOCK for c in cached[1:]) >= 1
     else:  # its own tree of what it routed: every later request goes where the prefix is
         assert all(c >= PREFIX_BLOCKS * BLOCK for c in cached[1:]), cached
+
+
+def test_a_router_with_no_worker_finds_the_sim_engines_on_the_bus(
+    fleet: SimFleet, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Each simulated engine advertises its own port, as a vLLM server does its own."""
+    process = RouterProcess(tmp_path, {}, "round_robin", nats_server.url, cli=True)
+    process.launch()
+    try:
+        process.wait_ready(ENGINES, timeout=60)
+        seen = {complete(process, fleet, list(range(7, 40)))[0] for _ in range(2 * ENGINES)}
+        assert seen == {f"{engine.source}/dp0" for engine in fleet.engines}
+    finally:
+        process.stop()

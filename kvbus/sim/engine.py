@@ -106,6 +106,9 @@ class BusOptions:
     zmq_port: int | None = None
     zmq_host: str = "127.0.0.1"
     zmq_replay_port: int | None = None
+    advertise: str = ""
+    """Where the engine serves HTTP, in its load records (routers that find their workers
+    on the bus)."""
 
 
 class SimEngine:
@@ -159,7 +162,9 @@ class SimEngine:
         self._publishers = _Publishers(publishers)
         self.core.scheduler.kv_event_publisher = self._publishers
         self.stat_logger = (
-            KvbusStatLogger(self.core.config, 0, url=self.bus.url, source=source)
+            KvbusStatLogger(
+                self.core.config, 0, url=self.bus.url, source=source, advertise=self.bus.advertise
+            )
             if self.bus.url
             else None
         )

@@ -190,7 +190,8 @@ class Fleet:
         for i in range(args.engines):
             zmq_port = None if args.zmq_port is None else args.zmq_port + i
             replay = None if args.zmq_replay_port is None else args.zmq_replay_port + i
-            bus = BusOptions(url, zmq_port, args.host, replay)
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            bus = BusOptions(url, zmq_port, args.host, replay, f"http://{host}:{args.port + i}")
             timing = TimingModel(profile, args.speedup, slow.get(i, 1.0))
             engine = SimEngine(f"{args.source_prefix}{i}", config, timing, bus, name)
             self.engines.append(engine)
