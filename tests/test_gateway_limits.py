@@ -323,3 +323,8 @@ async def test_a_path_the_router_does_not_route_by_prompt_goes_to_a_worker_uncha
     assert 'filename="a.wav"' in seen["body"] and "RIFF....WAVE" in seen["body"]
     assert version == {"method": "GET", "path": "/echo/version", "body": "", "content_type": None}
     assert missing == (404, "404: Not Found")  # the worker's own answer, not the router's
+    # One engine's own controls are not sent to one engine chosen by load.
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fleet.router_url}/sleep?level=1") as response:
+            refused = (response.status, await response.json())
+    assert refused[0] == 404 and "call each engine's own address" in refused[1]["error"]["message"]

@@ -30,10 +30,13 @@ def test_what_names_no_known_response_has_no_home() -> None:
         b'{"previous_response_id": 7}',
         b'["previous_response_id"]',
         b'{"previous_response_id": ',
+        b'{"previous_response_id": "resp_' + b"x" * 10_000 + b'"}',
     ):
         assert homes.of_body(body) is None, body
     for path in ("/v1/responses", "/v1/responses/resp_abc/input_items", "/v1/responses/x"):
         assert homes.of_path(path) is None, path
+    deep = b'{"previous_response_id": "resp_abc", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert homes.of_body(deep) == "a/dp0"  # found without parsing: no nesting to recurse
     homes.answered("a/dp0", b'{"id": "cmpl-1"}')  # not a response: nothing kept
     homes.answered("a/dp0", b'{"id": "resp_' + b"x" * 10_000 + b'"}')  # forged: too long
     assert len(homes) == 1

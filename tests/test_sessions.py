@@ -98,6 +98,7 @@ def test_the_sessions_are_bounded_and_forgotten_when_idle() -> None:
     assert sessions.worker(4, now=15.0) == "w3"
     assert session_key("x") == session_key(b"x") != session_key("y")
     assert session_key("") != 0
+    assert session_key("caf\udcff") == session_key(b"caf\xff")  # a header not in UTF-8
 
 
 async def test_the_router_keeps_a_session_named_in_its_header_on_one_worker(

@@ -18,7 +18,8 @@ MAX_SESSIONS: Final = 100_000
 def session_key(name: str | bytes) -> int:
     """A session's key: BLAKE2b of its name, the same in every process; never 0 (0 is
     "no session" on the wire)."""
-    data = name.encode() if isinstance(name, str) else name
+    # A header's bytes that are not UTF-8 arrive as surrogates: hashed as they came.
+    data = name.encode("utf-8", "surrogateescape") if isinstance(name, str) else name
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
 
 

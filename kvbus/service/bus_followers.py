@@ -193,7 +193,9 @@ class BusFollowers:
             self.heard_names.add(name)
             return True
         if self.discovery is not None:
-            return True  # may advertise itself: the metrics stream decides (`_apply_load`)
+            # It may advertise itself (the metrics stream decides, `_apply_load`): its
+            # history is indexed meanwhile, for a bounded number of such names.
+            return self.discovery.indexes(name)
         others = self.other_sources
         if source not in others and len(others) < _MAX_OTHER_SOURCES:
             others[source] = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -24,7 +25,8 @@ MAX_URL: Final = 2048
 MAX_NAME: Final = 256
 MAX_DISCOVERED: Final = 4096
 """Workers found on the bus at most (further ones are refused, and said)."""
-DEFAULT_HOSTS: Final = ("127.0.0.0/8", "::1/128", "localhost")
+DEFAULT_HOSTS: Final = ("127.0.0.0/8", "::1/128", "localhost", socket.gethostname())
+"""Loopback, and this machine's name (what ``vllm serve`` without ``--host`` advertises)."""
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -73,6 +75,10 @@ def plain_url(url: str, allowed: AllowedHosts) -> str:
         raise ValueError("credentials in it")
     if parsed.path not in ("", "/") or parsed.query_string or parsed.fragment:
         raise ValueError("a path, query or fragment in it")
+    if parsed.host.endswith("."):
+        # A fully qualified name skips /etc/hosts and the search domains: it may name
+        # another host than the same name without its dot, which the list allows.
+        raise ValueError("a host name ending in a dot")
     if parsed.host not in allowed:
         raise ValueError(f"host {shown(parsed.host)} not in --discover-hosts")
     return str(parsed.origin())
@@ -84,12 +90,22 @@ class WorkerDiscovery:
     configured one (``--worker``)."""
 
     def __init__(
-        self, workers: dict[str, str], allowed: AllowedHosts, moved: Callable[[str], None]
+        self,
+        workers: dict[str, str],
+        allowed: AllowedHosts,
+        moved: Callable[[str], None],
+        live: Callable[[str], bool],
     ) -> None:
         self.workers = workers
         self.allowed = allowed
         self._moved = moved
         """Told the name of a found worker whose URL changed (connections to forget)."""
+        self._live = live
+        """Whether a worker may get traffic now: while it may, its URL does not move (a
+        forged record must not take over a live worker's traffic)."""
+        self.candidates: set[str] = set()
+        """Names whose kv events are indexed before their first load record (bounded:
+        `MAX_DISCOVERED`), so that an engine's history is in the index when it is found."""
         self.configured = frozenset(workers)
         self.found: dict[str, str] = {}
         """Name -> base URL of each worker found on the bus."""
@@ -109,6 +125,8 @@ class WorkerDiscovery:
                 raise ValueError("a source name that is empty, too long or not printable")
             if name not in self.found and len(self.found) >= MAX_DISCOVERED:
                 raise ValueError(f"over {MAX_DISCOVERED} workers found already")
+            if name in self.found and self._live(name):
+                raise ValueError("its worker is live at another URL (a move waits until it stops)")
             base = plain_url(url, self.allowed)
         except ValueError as error:
             self.refused += 1
@@ -125,7 +143,16 @@ class WorkerDiscovery:
         self.workers[name] = base
         if moved:
             self._moved(name)
-            log.info("worker %s moved to %s", shown(name), shown(base))
-        else:
-            log.info("worker %s found on the bus at %s", shown(name), shown(base))
+        # At most MAX_DISCOVERED names, each moving only once stopped or stale: bounded.
+        log.info("worker %s %s %s", shown(name), "moved to" if moved else "found at", shown(base))
         return True
+
+    def indexes(self, name: str) -> bool:
+        """Whether the kv events of ``name`` (a source's, less its rank) go into the
+        index: a worker's, or one of at most `MAX_DISCOVERED` others not yet found."""
+        if name in self.workers or name in self.candidates:
+            return True
+        if len(self.candidates) < MAX_DISCOVERED:
+            self.candidates.add(name)
+            return True
+        return False

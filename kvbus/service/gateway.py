@@ -87,6 +87,7 @@ from kvbus.service.router_metrics import UNREPORTED, Metrics, Unreported
 from kvbus.service.served_model import ServedModel, Tokenizer
 from kvbus.service.upstream import BodyBudget, Upstream
 from kvbus.service.upstream import cached_tokens as _cached_tokens
+from kvbus.service.worker_names import RANK
 from kvbus.wire.envelope import Kind
 
 __all__ = [  # the service's parts, importable from here as before they moved out
@@ -185,7 +186,10 @@ class RouterApp:
         )
         if discover_hosts is not None:
             self.followers.discovery = WorkerDiscovery(
-                self.workers, AllowedHosts(discover_hosts), self.upstream.forget_address
+                self.workers,
+                AllowedHosts(discover_hosts),
+                self.upstream.forget_address,
+                lambda name: name in {RANK.sub("", w) for w in router.eligible()},
             )
         self.watch = BusWatch(
             self.workers, router, self.metrics, self.followers, self.upstream, engine_poll_interval
@@ -252,6 +256,8 @@ class RouterApp:
         app.router.add_get("/health", http.health)
         app.router.add_post("/v1/responses", http.responses)
         app.router.add_post("/v1/messages", http.anthropic)
+        for path in ENGINE_ADMIN_PATHS:
+            app.router.add_route("*", path, http.engine_admin)
         app.router.add_route("*", "/{path:.*}", http.pass_through)
         app.cleanup_ctx.append(self._lifetime)
         return app
@@ -292,6 +298,19 @@ class RouterApp:
             await self.routes.aclose(_STOP_WAIT)
         await self.upstream.close()
         self.served.close()
+
+
+ENGINE_ADMIN_PATHS: Final = (
+    "/sleep", "/wake_up", "/is_sleeping", "/pause", "/resume", "/is_paused",
+    "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/collective_rpc",
+    "/abort_requests", "/release_kv_cache_memory", "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter", "/start_profile", "/stop_profile", "/scale_elastic_ep",
+    "/is_scaling_elastic_ep", "/update_weights", "/update_weight_version",
+    "/start_weight_update", "/finish_weight_update", "/start_draft_weight_update",
+    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine",
+)  # fmt: skip
+"""vLLM's per-engine controls (vLLM 0.32): the router answers them 404 rather than send
+each to one engine chosen by load."""
 
 
 def _report_failure(task: asyncio.Task[None]) -> None:

@@ -121,6 +121,17 @@ class RouterHTTP:
         """``POST /v1/messages`` (Anthropic's API, which vLLM serves): by its prompt."""
         return await self._generate(request, lambda t, body: t.anthropic(body))
 
+    async def engine_admin(self, request: web.Request) -> web.StreamResponse:
+        """One engine's own controls (sleep, pause, cache resets, LoRA loading, weight
+        updates, profiling, RPC): sent to one engine chosen by load they would leave the
+        fleet inconsistent, so the router refuses them. Call each engine directly."""
+        return error_body(
+            f"{request.path} controls one vLLM engine: call each engine's own address, "
+            "not the router.",
+            "NotFoundError",
+            404,
+        )
+
     async def pass_through(self, request: web.Request) -> web.StreamResponse:
         """Any other path, any method, sent on unchanged to a worker chosen by load: what
         vLLM serves without a prompt to route by (embeddings, pooling, score, rerank,
@@ -165,6 +176,10 @@ class RouterHTTP:
             home = self.homes.of_path(request.path)
             if home is None and request.path == "/v1/responses":
                 home = self.homes.of_body(body.data)
+            if home is not None:
+                # Its prompt continues a conversation only that engine holds: keyed by
+                # its new input alone it would count blocks the engine never stores.
+                tokenize = None
             return await self._route(request, body, tokenize, home)
         finally:
             body.release()

@@ -5,12 +5,12 @@ engine; anywhere else it is a 404."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections import OrderedDict
 from typing import Final
 
 _ID: Final = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,128})"')
+_PREVIOUS: Final = re.compile(rb'"previous_response_id"\s*:\s*"(resp_[A-Za-z0-9_-]{1,128})"')
 _PATH_ID: Final = re.compile(r"^/v1/responses/(resp_[A-Za-z0-9_-]{1,128})(?:/cancel)?$")
 MAX_HOMES: Final = 65536
 """Responses remembered, the oldest forgotten first (each about 200 bytes)."""
@@ -43,14 +43,11 @@ class ResponseHomes:
 
     def of_body(self, raw: bytes | bytearray) -> str | None:
         """The worker that made the response a request body names in its
-        ``previous_response_id`` (None: none named, not JSON, or not known here)."""
-        if b"previous_response_id" not in raw:
-            return None
-        try:
-            named = json.loads(raw).get("previous_response_id")
-        except (ValueError, AttributeError):
-            return None
-        return self._home(named) if isinstance(named, str) else None
+        ``previous_response_id`` (None: none named, or not known here). Found by a
+        bounded pattern, not by parsing the body: one pass, no nesting to recurse into
+        (the engine parses it and says what is wrong with it)."""
+        found = _PREVIOUS.search(raw)
+        return self._home(found.group(1).decode()) if found else None
 
     def of_path(self, path: str) -> str | None:
         """The worker that made the response a path names (``/v1/responses/{id}``,
