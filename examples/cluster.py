@@ -110,6 +110,18 @@ def get_json(url: str) -> Any:
     return json.loads(body) if body else {}
 
 
+def post_json(url: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+    """POST ``body`` (JSON, or bytes sent as they are) to ``url``: the status, headers and
+    JSON body of the answer, an HTTP error's included."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.load(e)
+
+
 def make_model(
     directory: Path, hidden_size: int = 256, layers: int = 2, max_positions: int = 2048
 ) -> None:

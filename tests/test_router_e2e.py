@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from cluster import RouterProcess, free_port, wait_listening
+from cluster import post_json as post
 from router_demo import Cluster, workload
 
 WORKERS = {"a/dp0", "b/dp0"}
@@ -52,16 +53,6 @@ def router(cluster: Cluster) -> Iterator[RouterProcess]:
         yield process
     finally:
         process.stop()
-
-
-def post(url: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any], Any]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.load(response)
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.load(e)
 
 
 async def test_kv_policy_doubles_the_engines_hit_rate_and_predicts_it(cluster: Cluster) -> None:

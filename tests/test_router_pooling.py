@@ -3,14 +3,11 @@ CPU): what it does not route by prompt passes through by load, vLLM's answers un
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from cluster import RouterProcess, VllmServer, make_model
+from cluster import post_json as post
 
 from .servers import NatsServer
 
@@ -37,17 +34,6 @@ def pooling(
     finally:
         router.stop()
         engine.stop()
-
-
-def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.load(response)
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.load(e)
 
 
 def test_embeddings_and_pooling_pass_through_a_pooling_engine(

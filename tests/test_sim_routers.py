@@ -8,19 +8,18 @@ Also what a router needs of the sim's own endpoints: vLLM's ZMQ KV events listen
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 import zmq
 from cluster import BLOCK, RouterProcess, SimEngine, SimFleet, get_json, make_model
+from cluster import post_json as post
 from peers import PEERS, PeerRouter, find_peers
 
 from kvbus.wire.events import BlockStored, KVEventBatch
@@ -60,17 +59,6 @@ def router(fleet: SimFleet, nats_server: NatsServer) -> Iterator[RouterProcess]:
         yield process
     finally:
         process.stop()
-
-
-def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), json.load(response)
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.load(e)
 
 
 def metric(url: str, name: str) -> float:
