@@ -65,7 +65,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvbus
-from bench.bench_transports import _DefaultSyncNats
 from kvbus.routing.router import Router
 from kvbus.wire.events import LoadMetrics
 
@@ -704,6 +703,11 @@ def main() -> None:
         f"{args.seconds:g} s after {args.warmup:g} s; {os.cpu_count()} cores (shared)."
     )
     results: dict[tuple[int, float, str], list[Point]] = {}
+    # Here, not at the top: bench_transports brings the test servers' clients (redis),
+    # which the demo's install lacks, and bench_sim / bench_fleet_routing import this
+    # module for its CPU counters alone.
+    from bench.bench_transports import _DefaultSyncNats
+
     with tempfile.TemporaryDirectory() as tmp:
         server = _DefaultSyncNats(Path(tmp))
         server.start()
