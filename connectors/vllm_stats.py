@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Final
 
 from kvbus.connectors.vllm_events import STOP_WITHIN, engine_source
 from vllm.config import VllmConfig
@@ -59,6 +59,21 @@ def advertised_url(argv: list[str] | None = None) -> str:
     return f"http://{host}:{known.port or 8000}"
 
 
+_ROLES: Final = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+def engine_role(vllm_config: Any) -> str:
+    """This engine's part in prefill/decode disaggregation, for routers: ``$KVBUS_ROLE``
+    (``prefill``, ``decode``, ``both``; NIXL fleets run ``kv_both`` everywhere), else
+    ``prefill`` for a ``kv_producer`` connector and ``decode`` for a ``kv_consumer``;
+    "" (both) otherwise."""
+    given = os.environ.get("KVBUS_ROLE", "").strip().lower()
+    if given:
+        return "" if given == "both" else given
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return _ROLES.get(getattr(transfer, "kv_role", None) or "", "")
+
+
 class KvbusStatLogger(StatLoggerBase):
     """``url`` and ``source`` default to ``KVBUS_URL`` and `engine_source`, ``advertise``
     (where the engine serves) to `advertised_url`; `kvbus sim` gives them for each of
@@ -94,6 +109,7 @@ class KvbusStatLogger(StatLoggerBase):
             ts=time.time(), engine_index=engine_index, running=0, waiting=0, kv_cache_usage=0.0
         )
         self.url = advertise if advertise is not None else advertised_url()
+        self.role = engine_role(vllm_config)
         names = vllm_config.model_config.served_model_name if vllm_config.model_config else None
         self.model: str = (names[0] if names else "") if isinstance(names, list) else names or ""
         self._deltas = [0, 0, 0, 0]  # prefix queries, hits; connector queries, hits
@@ -162,6 +178,7 @@ class KvbusStatLogger(StatLoggerBase):
                 block_size=int(self.vllm_config.cache_config.block_size or 0),
                 url=self.url,
                 model=self.model,
+                role=self.role,
             ),
             Kind.METRICS,
         )

@@ -215,6 +215,26 @@ class AsyncConnector(ExampleConnector):
         return CountingStats(data=dict(data or {}))
 
 
+class HandoffConnector(ExampleConnector):
+    """Prefill/decode through shared storage, handed over by the request's parameters
+    as NIXL's is: a prefill request (``do_remote_decode``) stores its prompt's KV and
+    answers ``kv_transfer_params`` naming it; an engine loads KV only for a request that
+    carries those parameters back. A proxy that drops them gets the prompt computed
+    again (``cached_tokens`` 0), and no engine ever loads what it was not handed."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        params = request.kv_transfer_params or {}
+        if params.get("kvbus_handoff") != len(request.prompt_token_ids or ()):
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            return False, {"kvbus_handoff": len(request.prompt_token_ids or ())}
+        return False, None
+
+
 class TwoRankConnector(RecordingConnector):
     """RecordingConnector whose saves finish asynchronously, as each worker reports
     them (``get_finished``), for an engine with tensor parallel 2. Files in the storage

@@ -16,6 +16,7 @@ from kvbus.bus.subscription import Message, Resync
 from kvbus.logs import LimitedLog, shown
 from kvbus.routing.router import Router
 from kvbus.routing.transfers import ConnectorMetrics
+from kvbus.service.disagg import WorkerRoles
 from kvbus.service.discovery import WorkerDiscovery
 from kvbus.service.router_metrics import Metrics
 from kvbus.service.worker_names import RANK
@@ -69,6 +70,8 @@ class BusFollowers:
         self.load_sources: dict[str, set[str]] = {}
         """Per configured worker: its sources that sent load (bus or endpoint)."""
         self.discovery: WorkerDiscovery | None = None
+        self.roles: WorkerRoles | None = None
+        """Told each worker's advertised role (P/D, `kvbus.service.disagg`)."""
         """Workers found on the bus (``--discover-hosts``; None: only those configured)."""
         self.kv_replayed = False
         """The kv stream's retained history is in the index."""
@@ -140,14 +143,16 @@ class BusFollowers:
 
     def _apply_load(self, item: Message | Resync, age: float = 0.0) -> None:
         discovery = self.discovery
+        body = item.body if isinstance(item, Message) else None
         if discovery is not None:
-            body = item.body if isinstance(item, Message) else None
             if isinstance(body, LoadMetrics) and body.url:
                 discovery.offer(item.source, body.url)
             if RANK.sub("", item.source) not in self.workers:
                 return  # not a worker (yet): its load would make it eligible, unreachable
-        if isinstance(item, Message) and isinstance(item.body, LoadMetrics):
+        if isinstance(body, LoadMetrics):
             self.add_load_source(item.source)
+            if self.roles is not None:
+                self.roles.advertise(item.source, body.role)
         self.router.apply_metrics(item, age)
 
     def add_load_source(self, source: str) -> None:

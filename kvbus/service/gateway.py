@@ -81,6 +81,7 @@ from kvbus.routing.router import CostWeights, Policy, Router
 from kvbus.routing.transfers import ConnectorMetrics
 from kvbus.service.bus_followers import BusFollowers
 from kvbus.service.bus_watch import ENGINE_METRICS_MAX_BYTES, BusWatch, engine_loads
+from kvbus.service.disagg import PrefillDecode, Role, WorkerRoles
 from kvbus.service.discovery import DEFAULT_HOSTS, AllowedHosts, WorkerDiscovery
 from kvbus.service.handlers import RouterHTTP, error_body
 from kvbus.service.router_metrics import UNREPORTED, Metrics, Unreported
@@ -149,6 +150,8 @@ class RouterApp:
         replica: str | None = None,
         engine_poll_interval: float = 1.0,
         discover_hosts: Sequence[str] | None = None,
+        roles: dict[str, Role] | None = None,
+        skip_prefill_above: float = 0.9,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
         self.router = router
@@ -205,6 +208,11 @@ class RouterApp:
             body_timeout=body_timeout,
             max_body_bytes=max_body_bytes,
             max_held_body_bytes=max_held_body_bytes,
+        )
+        self.roles = WorkerRoles(roles)
+        self.followers.roles = self.roles
+        self.http.pd = PrefillDecode(
+            self.roles, router, self.upstream, self.metrics, skip_prefill_above
         )
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -338,6 +346,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=URL",
         help="a vLLM server: its KVBUS_SOURCE and base URL (repeat for each); none: the "
         "engines the bus tells of (their load records' URLs, within --discover-hosts)",
+    )
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a prefill worker of a disaggregated (P/D) fleet, as --worker (a --worker "
+        "takes the role its engine advertises: $KVBUS_ROLE, else its kv_role)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a decode worker of a disaggregated (P/D) fleet, as --worker",
+    )
+    parser.add_argument(
+        "--skip-prefill-above",
+        type=float,
+        default=0.9,
+        metavar="SHARE",
+        help="P/D: a request whose decode worker holds over this share of its prompt "
+        "goes there without a prefill hop",
     )
     parser.add_argument(
         "--discover-hosts",
@@ -588,6 +619,10 @@ async def _serve_forever(
 
 def build(args: argparse.Namespace) -> RouterApp:
     workers = dict(w.split("=", 1) for w in args.worker)
+    roles: dict[str, Role] = {}
+    for role, given in ((Role.PREFILL, args.prefill), (Role.DECODE, args.decode)):
+        for name, url in (w.split("=", 1) for w in given):
+            workers[name], roles[name] = url, role
     hosts = [h for given in args.discover_hosts or [] for h in given.split(",")]
     discover = hosts or (None if workers else list(DEFAULT_HOSTS))
     weights = CostWeights(**{k: float(v) for k, v in (w.split("=", 1) for w in args.weight)})
@@ -621,6 +656,8 @@ def build(args: argparse.Namespace) -> RouterApp:
         replica=args.replica,
         engine_poll_interval=args.engine_poll_interval,
         discover_hosts=discover,
+        roles=roles,
+        skip_prefill_above=args.skip_prefill_above,
     )
     app.http.session_header = args.session_header
     return app

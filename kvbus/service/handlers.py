@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
 import aiohttp
@@ -21,6 +22,7 @@ from kvbus.routing.router import Decision, Router
 from kvbus.routing.sessions import session_key
 from kvbus.service.bus_followers import BusFollowers
 from kvbus.service.bus_watch import BusWatch
+from kvbus.service.disagg import PrefillDecode, Prefilled
 from kvbus.service.response_homes import ResponseHomes
 from kvbus.service.router_metrics import Metrics
 from kvbus.service.served_model import LOAD_ONLY, ServedModel, Tokenize
@@ -90,6 +92,9 @@ class RouterHTTP:
         self.session_header = "x-session-id"
         """The request header that names a session (`kvbus.routing.sessions`); set by
         `kvbus.service.gateway.build` (``--session-header``; empty: none)."""
+        self.pd: PrefillDecode | None = None
+        """Prefill/decode disaggregation (`kvbus.service.disagg`), set by
+        `kvbus.service.gateway.RouterApp`."""
         self.header_timeout = 10.0
         """Set by `kvbus.service.gateway.start`: seconds for each request head, from the
         connection's opening or its previous response."""
@@ -231,16 +236,27 @@ class RouterHTTP:
         tried: set[str] = set()
         if home is not None and home in (eligible := self.router.eligible()):
             tried.update(w for w in eligible if w != home)
+        pd = self.pd if self.pd is not None and self.pd.active() else None
+        hop: dict[str, str] = {}  # both hops of a disaggregated request: one request id
+        prefilled: Prefilled | None = None
+        if pd is not None and home is None and pd.has_prefill_hop(request.path, read):
+            hop["X-Request-Id"] = request.headers.get("X-Request-Id") or f"kvbus-{uuid.uuid4()}"
+        elif pd is not None:
+            prefilled = Prefilled()  # one hop, to a worker that may decode
         busy = False
         while True:
-            decision = self.router.route(*read, exclude=tried, session=session)
+            exclude = tried if pd is None else tried | pd.decode_excluded()
+            decision = self.router.route(*read, exclude=exclude, session=session)
             self.metrics.decision.observe(time.perf_counter() - started)
             if decision is None:
                 self.metrics.no_worker.inc()
                 if busy:
                     return _busy("Every vLLM server that is up has all its connections busy.")
                 why = "".join(f" {problem}." for problem in self.watch.problems)
-                return _busy(f"No vLLM server is available: every worker is down or silent.{why}")
+                which = "that may decode " if pd is not None else ""
+                return _busy(
+                    f"No vLLM server {which}is available: every worker is down or silent.{why}"
+                )
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             if decision.shed:
@@ -253,7 +269,15 @@ class RouterHTTP:
             if not tried and (decision.engine_load or not self.followers.bus_up):
                 self.metrics.degraded_routes.inc()
             try:
-                return await self.upstream.forward(request, body, decision)
+                if pd is not None and prefilled is None:
+                    prefilled = await pd.prefill(request, body.data, read, decision, hop)
+                    if prefilled.refused is not None:
+                        return prefilled.refused
+                if pd is not None and prefilled is not None and prefilled.moved:
+                    pd.loads(decision)
+                return await self.upstream.forward(
+                    request, body, decision, prefilled.body if prefilled else None, hop or None
+                )
             except WorkerBusy:
                 tried.add(decision.worker)  # not its fault: it stays up for the others
                 busy = True

@@ -143,6 +143,27 @@ class Metrics:
             "Time to the first byte of the worker's response",
             prom.Histogram.DEFAULT_BUCKETS,
         )
+        # P/D (kvbus.service.disagg): the decode hop counts in requests, as any request.
+        self.pd_prefills = counter(
+            "pd_prefills",
+            "Prefill hops of disaggregated requests (max_tokens 1, KV left for the decode "
+            "worker), by prefill worker and status code",
+            ("worker", "code"),
+        )
+        self.pd_skipped = counter(
+            "pd_prefill_skipped",
+            "Disaggregated requests sent to their decode worker without a prefill hop: held "
+            "(it holds over --skip-prefill-above of the prompt), short (no whole block to "
+            "move), same_worker (the best prefill worker was it), no_prefill_worker (none "
+            "may get traffic), unreadable (the body is not a JSON object)",
+            ("reason",),
+        )
+        self.pd_prefill_seconds = histogram(
+            "pd_prefill_seconds",
+            "Time of a successful prefill hop (the decode hop waits for it)",
+            prom.Histogram.DEFAULT_BUCKETS,
+            (),
+        )
         self.eligible = gauge("eligible_workers", "Workers that may get traffic")
         self.blocks = gauge("indexed_blocks", "Distinct prefix blocks indexed")
         self.ready = gauge("ready", "1 when /health says ready")

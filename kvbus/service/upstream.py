@@ -54,6 +54,8 @@ QUICK_CONNECTIONS: Final = 8
 """Model lists (``/v1/models``, discovery) in flight at once, all workers together: on
 connections of their own beside ``--worker-connections``, so a flood of them never makes
 a generation wait for a pooled connection."""
+MAX_HOP_ANSWER: Final = 2**20
+"""Bytes of an answer the client does not see (P/D's prefill hop: one token's)."""
 SHOWN_ERROR: Final = 240
 """Characters of an error's text in a log line or /health at most (a tokenizer's load
 error can run to paragraphs)."""
@@ -170,23 +172,21 @@ class Upstream:
         )
 
     async def forward(
-        self, request: web.Request, body: RequestBody, decision: Decision
+        self,
+        request: web.Request,
+        body: RequestBody,
+        decision: Decision,
+        data: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> web.StreamResponse:
+        """Send the request to ``decision``'s worker (``data`` instead of its body, and
+        ``headers`` over its own, when given) and relay the answer to the client."""
         assert self.session is not None
         base, rank, slots = self._worker_address(decision.worker)
-        sent_headers = request.headers
-        headers = {k: sent_headers[k] for k in _FORWARDED if k in sent_headers}
-        # The router reads usage from the body, and compressing on loopback or a LAN
-        # costs more than it saves (a worker that compresses anyway: `_copy_headers`).
-        headers["Accept-Encoding"] = "identity"
-        if rank is not None:
-            headers["X-data-parallel-rank"] = rank
+        sent_headers = self._headers(request, rank, headers)
+        payload = body.data if data is None else data
         labels = (decision.worker, decision.policy.value)
-        try:  # a wait for a connection is no fault of the worker's: timed apart
-            async with asyncio.timeout(self.pool_timeout):
-                await slots.acquire()
-        except TimeoutError:
-            raise WorkerBusy from None
+        await self._take(slots)
         try:
             sent = time.perf_counter()
             try:
@@ -194,8 +194,8 @@ class Upstream:
                     upstream = await self.session.request(
                         request.method,
                         base + request.path_qs,
-                        data=body.data if body.data or request.method != "GET" else None,
-                        headers=headers,
+                        data=payload if payload or request.method != "GET" else None,
+                        headers=sent_headers,
                     )
             except (aiohttp.ClientError, TimeoutError) as error:
                 # Refused, dropped, silent or not HTTP, before anything reached the client.
@@ -231,6 +231,56 @@ class Upstream:
             if reported is not None:
                 self.metrics.observe_prediction(decision, reported)
         return response
+
+    async def exchange(
+        self, request: web.Request, data: bytes, decision: Decision, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        """A hop the client does not see (P/D's prefill): ``data`` posted to
+        ``decision``'s worker at the request's path, its status and whole answer (at most
+        `MAX_HOP_ANSWER` bytes), all within ``--worker-timeout``."""
+        assert self.session is not None
+        base, rank, slots = self._worker_address(decision.worker)
+        await self._take(slots)
+        try:
+            async with asyncio.timeout(self.worker_timeout):
+                async with self.session.post(
+                    base + request.path_qs, data=data, headers=self._headers(request, rank, headers)
+                ) as upstream:
+                    answer = bytearray()
+                    async for chunk in upstream.content.iter_any():
+                        answer += chunk
+                        if len(answer) > MAX_HOP_ANSWER:
+                            raise WorkerUnreachable(f"an answer over {MAX_HOP_ANSWER} bytes")
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise WorkerUnreachable(failure_text(error, self.worker_timeout)) from error
+        finally:
+            slots.release()
+        if upstream.status == 200:
+            self.router.started(decision)
+        return upstream.status, bytes(answer)
+
+    async def _take(self, slots: asyncio.Semaphore) -> None:
+        """One of a worker's connections; `WorkerBusy` after ``--pool-timeout``."""
+        try:  # a wait for a connection is no fault of the worker's: timed apart
+            async with asyncio.timeout(self.pool_timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise WorkerBusy from None
+
+    @staticmethod
+    def _headers(
+        request: web.Request, rank: str | None, given: dict[str, str] | None
+    ) -> dict[str, str]:
+        sent = request.headers
+        headers = {k: sent[k] for k in _FORWARDED if k in sent}
+        # The router reads usage from the body, and compressing on loopback or a LAN
+        # costs more than it saves (a worker that compresses anyway: `_copy_headers`).
+        headers["Accept-Encoding"] = "identity"
+        if rank is not None:
+            headers["X-data-parallel-rank"] = rank
+        if given:
+            headers.update(given)
+        return headers
 
     def forget_address(self, name: str) -> None:
         """Worker ``name`` (its ranks too) moved: its address is looked up again."""
