@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import os
 import socket
 import sys
@@ -30,6 +31,8 @@ import kvbus
 from kvbus import metrics
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import LoadMetrics
+
+log = logging.getLogger("kvbus.connectors.vllm_stats")
 
 
 def advertised_url(argv: list[str] | None = None) -> str:
@@ -59,19 +62,20 @@ def advertised_url(argv: list[str] | None = None) -> str:
     return f"http://{host}:{known.port or 8000}"
 
 
-_ROLES: Final = {"kv_producer": "prefill", "kv_consumer": "decode"}
+ROLES: Final = {"prefill": "prefill", "decode": "decode", "both": "", "": ""}
 
 
-def engine_role(vllm_config: Any) -> str:
-    """This engine's part in prefill/decode disaggregation, for routers: ``$KVBUS_ROLE``
-    (``prefill``, ``decode``, ``both``; NIXL fleets run ``kv_both`` everywhere), else
-    ``prefill`` for a ``kv_producer`` connector and ``decode`` for a ``kv_consumer``;
-    "" (both) otherwise."""
+def engine_role() -> str:
+    """This engine's part in prefill/decode disaggregation, for routers:
+    ``$KVBUS_ROLE`` (``prefill``, ``decode`` or ``both``, the default). Never guessed
+    from the connector's ``kv_role``: producer and consumer engines (LMCache's, say)
+    need not be a P/D fleet, and routing them as one would split every request."""
     given = os.environ.get("KVBUS_ROLE", "").strip().lower()
-    if given:
-        return "" if given == "both" else given
-    transfer = getattr(vllm_config, "kv_transfer_config", None)
-    return _ROLES.get(getattr(transfer, "kv_role", None) or "", "")
+    role = ROLES.get(given)
+    if role is None:
+        log.warning("KVBUS_ROLE=%r is not prefill, decode or both: advertising both", given)
+        return ""
+    return role
 
 
 class KvbusStatLogger(StatLoggerBase):
@@ -109,7 +113,7 @@ class KvbusStatLogger(StatLoggerBase):
             ts=time.time(), engine_index=engine_index, running=0, waiting=0, kv_cache_usage=0.0
         )
         self.url = advertise if advertise is not None else advertised_url()
-        self.role = engine_role(vllm_config)
+        self.role = engine_role()
         names = vllm_config.model_config.served_model_name if vllm_config.model_config else None
         self.model: str = (names[0] if names else "") if isinstance(names, list) else names or ""
         self._deltas = [0, 0, 0, 0]  # prefix queries, hits; connector queries, hits

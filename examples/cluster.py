@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,11 +123,17 @@ def post_json(url: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, st
 
 
 def make_model(
-    directory: Path, hidden_size: int = 256, layers: int = 2, max_positions: int = 2048
+    directory: Path,
+    hidden_size: int = 256,
+    layers: int = 2,
+    max_positions: int = 2048,
+    sliding_window: int | None = None,
 ) -> None:
     """A small Llama config (load it with ``load_format="dummy"``; the default is tiny)
     and a word-level tokenizer over w3..w1023 (ids 3..1023) with a chat template;
-    ``max_positions`` bounds ``--max-model-len``."""
+    ``max_positions`` bounds ``--max-model-len``. With ``sliding_window`` (tokens), a
+    hybrid model: even layers attend to that window only, odd ones to everything (vLLM
+    then keeps a sliding-window KV cache group beside the full-attention one)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -144,6 +150,11 @@ def make_model(
         eos_token_id=2,
     )
     config.architectures = ["LlamaForCausalLM"]
+    if sliding_window:
+        config.sliding_window = sliding_window
+        config.layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ]
     config.save_pretrained(directory)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 1024)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -548,6 +559,24 @@ class RouterProcess(Server):
             self.wait(ready, timeout)
         except RuntimeError as e:
             raise RuntimeError(f"{e}\nlast /health: {self.health()}") from None
+
+
+@contextlib.contextmanager
+def engine_behind_router(
+    engine: VllmServer, nats_url: str, timeout: float = 300
+) -> Iterator[RouterProcess]:
+    """``engine`` started, then a ``kv`` router with it as its one worker; both stopped
+    on the way out."""
+    router = RouterProcess(engine.data_dir, {engine.source: engine.url}, "kv", nats_url)
+    engine.launch()
+    try:
+        engine.wait_healthy(timeout)
+        router.launch()
+        router.wait_ready(1, timeout=60)
+        yield router
+    finally:
+        router.stop()
+        engine.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

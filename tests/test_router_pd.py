@@ -2,9 +2,8 @@
 KV connector (KvbusConnector around tests/kv_inner.py's HandoffConnector) moves KV
 through shared storage the way NIXL does, by the request's ``kv_transfer_params``: the
 prefill engine stores a prompt's KV and names it in its answer, and the decode engine
-loads only what a request hands it. Each engine advertises its role from its
-``kv_role`` (``kv_producer``: prefill, ``kv_consumer``: decode); the router is given
-them as plain ``--worker``s."""
+loads only what a request hands it. Each engine advertises its role (``KVBUS_ROLE``);
+the router is given them as plain ``--worker``s."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from .conftest import collect
 from .servers import NatsServer
 
 ROOT = Path(__file__).resolve().parent.parent
+ROLES = {"p": "prefill", "d": "decode"}
 
 
 def transfer_config(role: str, storage: Path) -> str:
@@ -78,8 +78,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, nats_server: NatsServer) -> 
     fleet = Fleet(tmp_path_factory.mktemp("pd"), nats_server)
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     try:
-        for engine in fleet.engines.values():
-            engine.launch(env)
+        for name, engine in fleet.engines.items():
+            engine.launch({**env, "KVBUS_ROLE": ROLES[name]})
         for engine in fleet.engines.values():
             engine.wait_healthy(300)
         fleet.router.launch()

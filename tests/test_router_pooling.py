@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cluster import RouterProcess, VllmServer, make_model
+from cluster import RouterProcess, VllmServer, engine_behind_router, make_model
 from cluster import post_json as post
 
 from .servers import NatsServer
@@ -24,16 +24,8 @@ def pooling(
         directory, model, "embed", nats_server.url,
         extra_args=["--runner", "pooling", "--convert", "embed", "--no-enable-prefix-caching"],
     )  # fmt: skip
-    router = RouterProcess(directory, {"embed": engine.url}, "kv", nats_server.url)
-    engine.launch()
-    try:
-        engine.wait_healthy(300)
-        router.launch()
-        router.wait_ready(1, timeout=60)
+    with engine_behind_router(engine, nats_server.url) as router:
         yield engine, router
-    finally:
-        router.stop()
-        engine.stop()
 
 
 def test_embeddings_and_pooling_pass_through_a_pooling_engine(

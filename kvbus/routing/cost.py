@@ -144,6 +144,10 @@ class Decision(msgspec.Struct, kw_only=True):
     until the router has seen enough first tokens)."""
     ended: bool = False
     """The request ended (`kvbus.routing.in_flight.RequestsInFlight.finished`)."""
+    prefilled_elsewhere: bool = False
+    """Its prompt was computed on a prefill worker whose KV this worker loads (P/D,
+    `Router.prefilled_elsewhere`): what the engine reports cached depends on its
+    connector, so it is left out of the accuracy metrics."""
     shed: bool = False
     """Not routed: ``predicted_ttft`` is over the router's ``shed_after`` (the request
     is to be refused at once, 503; it took nothing on the worker)."""
@@ -210,7 +214,7 @@ class CostModel:
         eligible = np.flatnonzero(np.isfinite(load))
         if not len(eligible):
             return None
-        depth = self._depths(state, keys, len(load))
+        depth = self._depths(state, keys, len(load), prompt_tokens)
         best_held = int(depth[eligible].max())
         home = stay[0] if stay is not None and stay[0] < len(load) else -1
         if home >= 0 and not np.isfinite(load[home]):
@@ -298,11 +302,17 @@ class CostModel:
         excess[eligible] = np.maximum(share - 1.0, 0.0) * min(1.0, total / fleet)
         return excess
 
-    def _depths(self, state: FleetState, keys: list[int], size: int) -> npt.NDArray[np.float64]:
+    def _depths(
+        self, state: FleetState, keys: list[int], size: int, prompt_tokens: int
+    ) -> npt.NDArray[np.float64]:
         """Leading blocks of ``keys`` each worker holds or is about to (requests just
-        routed to it)."""
+        routed to it); for a hybrid model's worker, those its engine can reuse."""
         depth = np.zeros(size)
-        for mask, blocks in self.index.match_masks(keys, state.pending_masks):
+        groups = self.index.match_masks(keys, state.pending_masks)
+        if self.index.window_mask and self.index.block_size:
+            most = (prompt_tokens - 1) // self.index.block_size
+            groups = self.index.window_cut(groups, keys, most, state.pending_masks)
+        for mask, blocks in groups:
             depth[self._numbers(mask)] = blocks  # shallowest first: deeper overwrite
         return depth
 

@@ -324,6 +324,12 @@ class FleetState:
         self.requests.assign(request)
         self.refresh(request.number)
 
+    def prefilled_elsewhere(self, request: Routed) -> None:
+        """``request`` has its prompt computed on another worker (P/D): no prefill of
+        its own is queued on its worker."""
+        self.requests.prefilled_elsewhere(request)
+        self.refresh(request.number)
+
     def started(self, request: Routed) -> None:
         """``request`` started streaming (not yet marked so): its prefill is done."""
         self.requests.started(request)

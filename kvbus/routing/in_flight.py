@@ -120,6 +120,14 @@ class RequestsInFlight:
                 masks[key] = masks.get(key, 0) | bit
             pending[key] = count + 1
 
+    def prefilled_elsewhere(self, request: Routed) -> None:
+        """``request`` (queued) has its prompt computed by another worker (P/D's prefill
+        hop): its worker loads the KV, so it queues no prefill there."""
+        queued = self._queued.get(request.number)
+        if queued is not None and not request.streaming and not request.ended:
+            queued[1] = max(0.0, queued[1] - request.prefill_blocks)
+        request.prefill_blocks = 0.0
+
     def started(self, request: Routed) -> None:
         """``request`` started streaming (not yet marked so): its prefill is done."""
         request.streaming = True

@@ -7,8 +7,10 @@ Blocks are keyed on the router's side by a hash chained over their token ids (an
 LoRA adapter, the per-block extra keys and, for vLLM >= 0.33 engines that hash ahead,
 the lookahead tokens), so the index never depends on the engine's hash seed or
 algorithm. A worker is a kvbus source (``NAME/dp<rank>`` for vLLM engines). Blocks are
-tracked per medium (GPU, CPU, STORAGE); for hybrid models only full-attention groups
-count. ``AllBlocksCleared``, a `Resync` and a new epoch clear exactly that worker.
+tracked per medium (GPU, CPU, STORAGE). For hybrid models the full-attention group's
+blocks are the prefix, and a sliding-window group's blocks cut it to what the engine
+can reuse (`kvbus.routing.index_window`); other groups (mamba) are skipped.
+``AllBlocksCleared``, a `Resync` and a new epoch clear exactly that worker.
 
 Residency is a count, as in the engine: vLLM may cache several copies of one block
 hash (a prompt recomputes its last block even when all of it is cached) and sends a
@@ -22,7 +24,8 @@ The index in parts, one concern each:
 - `kvbus.routing.index_keys`: how tokens become router keys, and the keyings in use;
 - `kvbus.routing.index_holders`: each worker's blocks and the holder masks, their caps;
 - `kvbus.routing.index_feed`: applying kv messages (the hot path);
-- `kvbus.routing.index_match`: querying a prompt's match.
+- `kvbus.routing.index_match`: querying a prompt's match;
+- `kvbus.routing.index_window`: hybrid models' sliding-window groups.
 
 `PrefixIndex` is the feeding and the querying side of one shared state, joined by
 inheritance rather than held as parts: a call goes straight to the method that does

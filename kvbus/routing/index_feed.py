@@ -19,10 +19,10 @@ from kvbus.routing.index_holders import (
     _MIN_REMEMBERED,
     CAPACITY_HEADROOM,
     MEDIUM_SHIFTS,
-    _Holders,
     _Worker,
 )
 from kvbus.routing.index_keys import ROOT, keys_of
+from kvbus.routing.index_window import SLIDING_WINDOW, _Windows
 from kvbus.routing.kernels import kernels as kernels  # switched by kvbus.routing.index.use_kernels
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import (
@@ -46,7 +46,7 @@ MAX_BLOCK_SIZE: Final = 1 << 20
 """Larger (or non-positive) block sizes in an event are malformed; vLLM's are <= 4096."""
 
 
-class _Feeding(_Holders):
+class _Feeding(_Windows):
     """`PrefixIndex`'s feeding side: every method that changes what the index holds."""
 
     def set_capacity(self, worker: str, kv_cache_blocks: int) -> None:
@@ -109,6 +109,8 @@ class _Feeding(_Holders):
                 self._removed(worker, event)
             else:
                 self.clear(worker)  # AllBlocksCleared
+        if self._deferred:
+            self._apply_deferred()
         return True
 
     def apply_events(self, worker: str, events: Iterable[Any]) -> None:
@@ -119,10 +121,14 @@ class _Feeding(_Holders):
                 self._removed(worker, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(worker)
+        if self._deferred:
+            self._apply_deferred()
 
     def clear(self, worker: str) -> None:
         """Forget everything ``worker`` held (it restarted, or its events were lost)."""
         self.clears += 1
+        if worker in self._numbers:
+            self._window_clear(worker, self._numbers[worker])
         state = self._workers.pop(worker, None)
         if state is None:
             return
@@ -147,7 +153,13 @@ class _Feeding(_Holders):
         """Apply a store; ``data``: its token ids already as `kernels.token_bytes`.
         Nothing is counted or learned from it before its keys are made: an event that
         fails is skipped whole (counted in ``malformed``)."""
-        if event.kv_cache_spec_kind not in _FULL_ATTENTION:
+        kind = event.kv_cache_spec_kind
+        if kind not in _FULL_ATTENTION:
+            self._learn_group(worker, event.group_idx, kind)
+            if kind == SLIDING_WINDOW:
+                self._defer(worker, event)  # after the batch's full-attention blocks
+            else:
+                self.other_groups += len(event.block_hashes)
             return
         if not 0 < event.block_size <= MAX_BLOCK_SIZE:
             tokenless = not event.token_ids if data is None else not data
@@ -308,6 +320,13 @@ class _Feeding(_Holders):
     # --- removals --------------------------------------------------------------------
 
     def _removed(self, worker: str, event: BlockRemoved) -> None:
+        kind = self._group_kind(worker, event.group_idx)
+        if kind is not None:  # not the full-attention copies of the same engine hashes
+            if kind == SLIDING_WINDOW:
+                self._defer(worker, event)
+            else:
+                self.other_groups += len(event.block_hashes)
+            return
         state = self._workers.get(worker)
         if state is None:
             self.unknown_removals += len(event.block_hashes)

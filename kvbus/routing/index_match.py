@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvbus.routing.index_holders import _FIELD, _Holders, mask_numbers
+from kvbus.routing.index_holders import _FIELD, mask_numbers
 from kvbus.routing.index_keys import block_keys, prompt_keyings
+from kvbus.routing.index_window import _Windows
 
 
-class _Matching(_Holders):
+class _Matching(_Windows):
     """`PrefixIndex`'s querying side: every method that reads a prompt's match."""
 
     def match(
@@ -29,7 +30,10 @@ class _Matching(_Holders):
         result: dict[str, int] = {}
         keyings = prompt_keyings(token_ids, self._profiles.in_query_order, lora_name, extra_keys)
         for (block_size, _), keys in keyings:
-            for mask, blocks in self.match_masks(keys):
+            groups = self.match_masks(keys)
+            if self.window_mask:  # hybrid models: what their engines can reuse
+                groups = self.window_cut(groups, keys, (len(token_ids) - 1) // block_size)
+            for mask, blocks in groups:
                 self._add_group(result, mask, blocks * block_size)
         return result
 

@@ -276,6 +276,15 @@ class Router:
             )
         return decision
 
+    def prefilled_elsewhere(self, decision: Decision) -> None:
+        """The prompt of ``decision`` (routed, not started) is computed on another
+        worker, whose KV its worker loads (P/D's prefill hop): it queues no prefill
+        there, and its first token waits on the other worker, so its time says nothing
+        of its worker's pace. It finds the moved blocks cached."""
+        self.state.prefilled_elsewhere(decision)
+        decision.ahead_blocks = 0.0
+        decision.prefilled_elsewhere = True
+
     def started(self, decision: Decision) -> None:
         """The request of ``decision`` started streaming: its prefill is done."""
         if decision.streaming:

@@ -151,7 +151,9 @@ class BusFollowers:
                 return  # not a worker (yet): its load would make it eligible, unreachable
         if isinstance(body, LoadMetrics):
             self.add_load_source(item.source)
-            if self.roles is not None:
+            if self.roles is not None and RANK.sub("", item.source) in self.workers:
+                # Only the router's own workers' roles: another fleet's engines on the
+                # same bus must not turn P/D on here.
                 self.roles.advertise(item.source, body.role)
         self.router.apply_metrics(item, age)
 

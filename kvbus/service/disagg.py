@@ -14,16 +14,21 @@ The decode worker is chosen first, by load and the prefix it holds. The prefill 
 skipped, and the decode worker computes what is left itself, when that worker already
 holds nearly all of the prompt (``skip_above``, a share of the tokens a prefill could
 move: the prompt's whole blocks, less the last token), when the prompt has no whole block
-to move, or when the best prefill worker is that same worker. Each skip is counted
-(``kvbus_router_pd_prefill_skipped_total{reason}``), as is each prefill hop
-(``kvbus_router_pd_prefills_total{worker,code}``).
+to move, and for a request that cannot be split (several sequences, prompt logprobs).
+Each skip is
+counted (``kvbus_router_pd_prefill_skipped_total{reason}``), as is each prefill hop
+(``kvbus_router_pd_prefills_total{worker,code}``). A prefill worker's 4xx for the request
+reaches the client (any worker would say the same); its engine's trouble (5xx, 404, 408,
+429, no answer, an answer over 1 MiB) sends the hop to another prefill worker.
 
 Roles: ``--prefill NAME=URL`` and ``--decode NAME=URL`` name them; a ``--worker`` or a
 worker found on the bus takes the role its engine advertises
-(`kvbus.wire.events.LoadMetrics.role`: ``$KVBUS_ROLE``, else from vLLM's ``kv_role``),
-and serves both hops without one. Once any worker is a prefill worker, completions and chat go
-through both hops; other endpoints go to a worker that may decode, as one request, and so
-does a generation no prefill worker can take (none is up, or each failed its hop).
+(`kvbus.wire.events.LoadMetrics.role`, from ``$KVBUS_ROLE``), and serves both hops
+without one. Once any of the router's workers is a prefill worker, completions and chat
+go through both hops, and every other request goes whole to a worker that may decode, as
+does a generation no prefill worker can take (none is up, or each failed its hop). The
+router sends no client's ``kv_transfer_params`` on: a client could point a decode worker
+at KV of its choosing.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from aiohttp import web
 from kvbus.routing.router import Decision, Router
 from kvbus.service.router_metrics import Metrics
 from kvbus.service.served_model import Prompt
-from kvbus.service.upstream import Upstream, WorkerBusy, WorkerUnreachable
+from kvbus.service.upstream import AnswerTooLarge, Upstream, WorkerBusy, WorkerUnreachable
 from kvbus.service.worker_names import RANK
 
 GENERATION_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -55,6 +60,8 @@ REMOTE_DECODE: Final = {
     "remote_port": None,
 }
 """The prefill hop's ``kv_transfer_params``, as vLLM's proxies send them."""
+_WORKER_TROUBLE: Final = frozenset({404, 408, 429})
+"""Statuses below 500 that say more of the prefill worker than of the request."""
 
 
 class Role(str, enum.Enum):
@@ -126,28 +133,52 @@ def _json_object(data: bytes | bytearray) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def prefill_body(data: bytes | bytearray) -> bytes | None:
-    """The prefill hop's body for a request's: one token, not streamed, asking for a
-    remote decode. None when the body is not a JSON object."""
-    body = _json_object(data)
-    if body is None:
-        return None
-    body["kv_transfer_params"] = REMOTE_DECODE
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    return msgspec.json.encode(body)
+def unsupported(body: dict[str, Any]) -> bool:
+    """Whether a request cannot be split in two hops: several sequences (``n``,
+    ``best_of``, beam search) would each load the one prefill's blocks, and a request
+    for prompt logprobs computes its whole prompt wherever it runs (vLLM ignores an
+    external cache for it)."""
+    return (
+        _more_than_one(body.get("n"))
+        or _more_than_one(body.get("best_of"))
+        or body.get("use_beam_search") is True
+        or body.get("prompt_logprobs") is not None
+    )
 
 
-def decode_body(data: bytes | bytearray, params: dict[str, Any]) -> bytes | None:
-    """The decode hop's body: the request's, with the prefill's ``kv_transfer_params``."""
-    body = _json_object(data)
-    if body is None:
+def _more_than_one(value: object) -> bool:
+    return isinstance(value, int | float) and value > 1
+
+
+_PREFILL_DROPS: Final = frozenset(
+    {"stream_options", "echo", "logprobs", "top_logprobs", "prompt_logprobs"}
+)
+
+
+def prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill hop's body for a request's: one token, not streamed, nothing it
+    would not need (logprobs, an echo of the prompt: the answer the client never sees
+    stays small), asking for a remote decode."""
+    sent = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    sent.update(kv_transfer_params=REMOTE_DECODE, stream=False, max_tokens=1)
+    if "max_completion_tokens" in sent:
+        sent["max_completion_tokens"] = 1
+    if "min_tokens" in sent:
+        sent["min_tokens"] = 0  # over max_tokens, vLLM refuses the request
+    return msgspec.json.encode(sent)
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> bytes | None:
+    """The decode hop's body: the request's, with the prefill's ``kv_transfer_params``
+    and never the client's own (they would point the decode worker at KV of the
+    client's choosing). None: the client's body as it came (it named none, and the
+    prefill answered none)."""
+    if params is None and "kv_transfer_params" not in body:
         return None
-    body["kv_transfer_params"] = params
-    return msgspec.json.encode(body)
+    sent = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params is not None:
+        sent["kv_transfer_params"] = params
+    return msgspec.json.encode(sent)
 
 
 def transfer_params(answer: bytes) -> dict[str, Any] | None:
@@ -195,10 +226,16 @@ class PrefillDecode:
         each failed it) goes there whole, counted (``no_prefill_worker``)."""
         return self.roles.any_prefill
 
-    @staticmethod
-    def has_prefill_hop(path: str, prompt: Prompt) -> bool:
-        """Whether a request to ``path`` goes through both hops (while `active`)."""
-        return path in GENERATION_PATHS and bool(prompt.tokens)
+    def has_prefill_hop(self, path: str, prompt: Prompt) -> bool:
+        """Whether a request to ``path`` goes through both hops (while `active`): a
+        completion or chat the router could read (one it could not, too large to
+        tokenize, say, goes whole to a decode worker, counted: ``untokenized``)."""
+        if path not in GENERATION_PATHS:
+            return False
+        if not prompt.tokens:
+            self.metrics.pd_skipped.labels("untokenized").inc()
+            return False
+        return True
 
     def decode_excluded(self) -> set[str]:
         return self.roles.not_for(Role.DECODE, self.router.eligible())
@@ -212,30 +249,35 @@ class PrefillDecode:
         headers: dict[str, str],
     ) -> Prefilled:
         """The prefill hop of a request whose decode goes to ``decode``'s worker."""
+        body = _json_object(data)
+        if body is None:
+            return self._skipped("unreadable", None)  # the engine says what is wrong
         movable = self._movable(decode)
         if not movable:
-            return self._skipped("short")  # no whole block to move
+            return self._skipped("short", body)  # no whole block to move
         if decode.predicted_cached_tokens >= self.skip_above * movable:
-            return self._skipped("held")
-        sent = prefill_body(data)
-        if sent is None:
-            return self._skipped("unreadable")
-        tried = self.roles.not_for(Role.PREFILL, self.router.eligible())
+            return self._skipped("held", body)
+        if unsupported(body):
+            return self._skipped("unsupported", body)
+        sent = prefill_body(body)
+        failed: set[str] = set()
         while True:
+            # The roles of the workers that may get traffic now (one may have joined).
+            tried = failed | self.roles.not_for(Role.PREFILL, self.router.eligible())
+            tried.add(decode.worker)  # it would compute the prompt itself: no hop
             chosen = self.router.route(*prompt, exclude=tried)
             if chosen is None or chosen.shed:
-                return self._skipped("no_prefill_worker")
+                return self._skipped("no_prefill_worker", body)
             try:
-                if chosen.worker == decode.worker:
-                    return self._skipped("same_worker")
                 started = time.perf_counter()
                 status, answer = await self.upstream.exchange(request, sent, chosen, headers)
-            except WorkerBusy:
-                tried.add(chosen.worker)
-                self.metrics.busy.labels(chosen.worker).inc()
+            except (WorkerBusy, AnswerTooLarge) as error:
+                failed.add(chosen.worker)  # not its fault: it stays up for the others
+                if isinstance(error, WorkerBusy):
+                    self.metrics.busy.labels(chosen.worker).inc()
                 continue
             except WorkerUnreachable as error:
-                tried.add(chosen.worker)
+                failed.add(chosen.worker)
                 self.router.mark_down(chosen.worker, self.upstream.down_for)
                 self.upstream.say_unreachable(chosen.worker, str(error))
                 continue
@@ -243,19 +285,16 @@ class PrefillDecode:
                 self.router.finished(chosen)
             self.metrics.pd_prefills.labels(chosen.worker, str(status)).inc()
             if status != 200:
-                return Prefilled(refused=_error_response(status, answer))
+                if 400 <= status < 500 and status not in _WORKER_TROUBLE:
+                    # The request itself is wrong (vLLM's error says why): any worker
+                    # would refuse it the same.
+                    return Prefilled(refused=_error_response(status, answer))
+                failed.add(chosen.worker)  # its engine's trouble: another, or none
+                continue
             self.metrics.pd_prefill_seconds.observe(time.perf_counter() - started)
-            params = transfer_params(answer)
-            body = None if params is None else decode_body(data, params)
-            return Prefilled(body=body, moved=True)
-
-    def loads(self, decode: Decision) -> None:
-        """``decode``'s worker loads the prompt's KV a prefill worker computed: it finds
-        every whole block of it (what the connector moves), and its first token waited
-        for the prefill hop, so its time tells nothing of its own pace."""
-        movable = self._movable(decode)
-        decode.predicted_cached_tokens = max(decode.predicted_cached_tokens, movable)
-        decode.ahead_blocks = 0.0
+            self.router.prefilled_elsewhere(decode)
+            decode.predicted_cached_tokens = max(decode.predicted_cached_tokens, movable)
+            return Prefilled(body=decode_body(body, transfer_params(answer)), moved=True)
 
     def _movable(self, decision: Decision) -> int:
         """Tokens of the prompt's KV a prefill can leave for the decode: its whole
@@ -263,9 +302,11 @@ class PrefillDecode:
         block = self.router.index.block_size or 0
         return max(decision.prompt_tokens - 1, 0) // block * block if block else 0
 
-    def _skipped(self, reason: str) -> Prefilled:
+    def _skipped(self, reason: str, body: dict[str, Any] | None) -> Prefilled:
+        """No prefill hop: the request goes whole to its decode worker (without any
+        ``kv_transfer_params`` its client put in it)."""
         self.metrics.pd_skipped.labels(reason).inc()
-        return Prefilled()
+        return Prefilled(body=None if body is None else decode_body(body, None))
 
 
 def _error_response(status: int, answer: bytes) -> web.Response:

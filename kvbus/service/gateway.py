@@ -335,6 +335,13 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
+def _share(text: str) -> float:
+    share = float(text)
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a share between 0 and 1")
+    return share
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The router's options (``kvbus router`` and ``examples/nats_router.py``)."""
     parser.add_argument("--port", type=int, default=8000)
@@ -353,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=URL",
         help="a prefill worker of a disaggregated (P/D) fleet, as --worker (a --worker "
-        "takes the role its engine advertises: $KVBUS_ROLE, else its kv_role)",
+        "takes the role its engine advertises in $KVBUS_ROLE)",
     )
     parser.add_argument(
         "--decode",
@@ -364,7 +371,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--skip-prefill-above",
-        type=float,
+        type=_share,
         default=0.9,
         metavar="SHARE",
         help="P/D: a request whose decode worker holds over this share of its prompt "

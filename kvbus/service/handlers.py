@@ -273,8 +273,6 @@ class RouterHTTP:
                     prefilled = await pd.prefill(request, body.data, read, decision, hop)
                     if prefilled.refused is not None:
                         return prefilled.refused
-                if pd is not None and prefilled is not None and prefilled.moved:
-                    pd.loads(decision)
                 return await self.upstream.forward(
                     request, body, decision, prefilled.body if prefilled else None, hop or None
                 )
@@ -286,6 +284,10 @@ class RouterHTTP:
                 tried.add(decision.worker)
                 self.router.mark_down(decision.worker, self.upstream.down_for)
                 self.upstream.say_unreachable(decision.worker, str(error))
+                if prefilled is not None and prefilled.moved:
+                    # It may have read the moved KV before it failed (the prefill
+                    # worker then frees it): the next decode worker gets a new hop.
+                    prefilled = None
             finally:
                 self.router.finished(decision)
 

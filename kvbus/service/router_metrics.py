@@ -152,10 +152,11 @@ class Metrics:
         )
         self.pd_skipped = counter(
             "pd_prefill_skipped",
-            "Disaggregated requests sent to their decode worker without a prefill hop: held "
-            "(it holds over --skip-prefill-above of the prompt), short (no whole block to "
-            "move), same_worker (the best prefill worker was it), no_prefill_worker (none "
-            "may get traffic), unreadable (the body is not a JSON object)",
+            "Disaggregated requests sent whole to their decode worker: held (it holds over "
+            "--skip-prefill-above of the prompt), short (no whole block to move), "
+            "unsupported (n or best_of over 1, beam search, prompt logprobs), "
+            "no_prefill_worker (none may get traffic, or each failed the hop), untokenized "
+            "(the router could not read the prompt), unreadable (not a JSON object)",
             ("reason",),
         )
         self.pd_prefill_seconds = histogram(

@@ -228,7 +228,7 @@ class Upstream:
         if upstream.status == 200:
             self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
             reported = cached_tokens(answer, streamed)
-            if reported is not None:
+            if reported is not None and not decision.prefilled_elsewhere:
                 self.metrics.observe_prediction(decision, reported)
         return response
 
@@ -250,7 +250,7 @@ class Upstream:
                     async for chunk in upstream.content.iter_any():
                         answer += chunk
                         if len(answer) > MAX_HOP_ANSWER:
-                            raise WorkerUnreachable(f"an answer over {MAX_HOP_ANSWER} bytes")
+                            raise AnswerTooLarge(len(answer))
         except (aiohttp.ClientError, TimeoutError) as error:
             raise WorkerUnreachable(failure_text(error, self.worker_timeout)) from error
         finally:
@@ -419,6 +419,11 @@ def failure_text(error: BaseException, worker_timeout: float) -> str:
         return _CONNECTION_ERRORS[cause.errno]
     text = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(error)
     return displayable(" ".join(text.split()) or type(error).__name__, SHOWN_ERROR)
+
+
+class AnswerTooLarge(Exception):
+    """A hop the client does not see got an answer over `MAX_HOP_ANSWER` bytes (a
+    request asking for much more than one token's answer; not the worker's fault)."""
 
 
 class WorkerBusy(Exception):

@@ -148,8 +148,8 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """The engine's served model name (its first); "" when not said."""
     role: str = ""
     """The engine's part in prefill/decode disaggregation: ``prefill``, ``decode``, or
-    "" (both; an aggregated engine): ``$KVBUS_ROLE``, else from vLLM's ``kv_role``
-    (``kv_producer``, ``kv_consumer``). Untrusted input, like ``url``."""
+    "" (both; an aggregated engine), from ``$KVBUS_ROLE``. Untrusted input, like
+    ``url``."""
 
 
 # --- connector payloads, published by kvbus.connectors.vllm_connector -----------------
