@@ -777,6 +777,7 @@ async def run_fleet(
             cluster.router_args += ["--shed-after", f"{args.slo / speedup:g}"]
         for weight in args.kv_weight:
             cluster.router_args += ["--weight", weight]
+        cluster.router_args += args.kv_arg
         started = time.monotonic()
         cluster.start()
         say(f"  {scenario.engines} engines x {scenario.blocks} blocks, speedup {speedup:g}, "
@@ -920,6 +921,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-weight", action="append", default=[], metavar="NAME=VALUE",
         help="a cost weight for kvbus's routers (their --weight; kvbus.routing.cost)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-arg", action="append", default=[], metavar="ARG",
+        help="another option for kvbus's routers (--kv-arg=--late-ratio --kv-arg=1.5)",
     )  # fmt: skip
     parser.add_argument(
         "--router-debug", action="store_true",

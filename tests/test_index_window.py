@@ -119,3 +119,28 @@ def test_window_ands_are_the_ands_of_each_window(width: int) -> None:
                 value &= mask
             expected.append(value)
         assert _window_ands(masks, width) == expected
+
+
+def test_a_request_just_routed_leaves_only_its_last_window_pending() -> None:
+    """Before its engine's events come, a request routed to a hybrid worker counts as
+    leaving its prompt's blocks in the full-attention group and its last window in the
+    window group: its next turn is predicted to find it all, a request sharing only its
+    first blocks nothing."""
+    from kvbus import Kind, LoadMetrics, Message
+    from kvbus.routing.router import Router
+
+    r = Router(block_size=BLOCK, seed=1)
+    record = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0)
+    r.apply_metrics(Message("h/dp0", 1, 1, Kind.METRICS, 0.0, record, b"", 0))
+    served(r.index)  # a hybrid model (A served), window 2 blocks
+    b = [*A[: 3 * BLOCK], *range(2000, 2000 + 2 * BLOCK + 5)]  # 5 whole blocks, new tail
+    first = r.route(b)
+    assert first is not None and first.window_keys == first.keys[-2:]
+    turn = r.route([*b, *range(3000, 3040)])  # its next turn: all 5 blocks
+    sibling = r.route([*A[: 3 * BLOCK], *range(4000, 4070)])  # shares 3 blocks only
+    assert turn is not None and sibling is not None
+    assert (turn.predicted_cached_tokens, sibling.predicted_cached_tokens) == (160, 0)
+    for decision in (first, turn, sibling):
+        r.finished(decision)
+    r.state.expire(1e12)  # long after: nothing pending any more
+    assert not r.state.window_pending_masks and not r.state.pending_masks

@@ -117,6 +117,8 @@ class Decision(msgspec.Struct, kw_only=True):
     streaming: bool = False
     """Whether `Router.started` was told the response is streaming."""
     keys: list[int] = []
+    window_keys: list[int] = []
+    """Of ``keys``, those a hybrid model's sliding-window group keeps once it ran."""
     """The prompt's block keys, added to the worker's prefix while the request runs."""
     number: int = -1
     request: int = 0
@@ -311,7 +313,7 @@ class CostModel:
         groups = self.index.match_masks(keys, state.pending_masks)
         if self.index.window_mask and self.index.block_size:
             most = (prompt_tokens - 1) // self.index.block_size
-            groups = self.index.window_cut(groups, keys, most, state.pending_masks)
+            groups = self.index.window_cut(groups, keys, most, state.window_pending_masks)
         for mask, blocks in groups:
             depth[self._numbers(mask)] = blocks  # shallowest first: deeper overwrite
         return depth

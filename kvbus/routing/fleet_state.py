@@ -105,6 +105,7 @@ class FleetState:
         (``pending``, ``pending_masks``: what the cost model matches beside the index)"""
         self.pending = self.requests.pending
         self.pending_masks = self.requests.pending_masks
+        self.window_pending_masks = self.requests.window_pending_masks
         self.pace = WorkerPace()
         """each worker's time to first token per block ahead, relative to the fleet's"""
 

@@ -32,6 +32,8 @@ class Routed(Protocol):
     number: int
     """The worker's number in the index."""
     keys: list[int]
+    window_keys: list[int]
+    """Its prompt's last blocks a hybrid model's sliding-window group keeps (set here)."""
     prefill_blocks: float
     new_blocks: int
     streaming: bool
@@ -58,6 +60,10 @@ class RequestsInFlight:
         """worker -> {block key of a request in flight -> requests}"""
         self.pending_masks: dict[int, int] = {}
         """block key -> mask of the workers it is pending on (index-style, for matching)"""
+        self.window_pending: dict[int, dict[int, int]] = {}
+        self.window_pending_masks: dict[int, int] = {}
+        """The same for hybrid models' sliding-window groups: a request leaves only its
+        prompt's last window there (`kvbus.routing.index_window`)."""
         self._finishing: deque[tuple[float, Routed]] = deque()
         self._finishing_on: dict[int, int] = {}
         """worker -> its requests in ``_finishing`` (a clear of a worker with none is O(1))"""
@@ -112,13 +118,11 @@ class RequestsInFlight:
         queued[1] += request.prefill_blocks
         if not request.peer:
             self._unstarted.setdefault(number, deque()).append(request)
-        pending = self.pending.setdefault(number, {})
-        masks, bit = self.pending_masks, 1 << number
-        for key in request.keys:
-            count = pending.get(key, 0)
-            if not count:
-                masks[key] = masks.get(key, 0) | bit
-            pending[key] = count + 1
+        _add(self.pending, self.pending_masks, number, request.keys)
+        width = self.index.window_blocks(number)
+        if width:
+            request.window_keys = request.keys[-width:]
+            _add(self.window_pending, self.window_pending_masks, number, request.window_keys)
 
     def prefilled_elsewhere(self, request: Routed) -> None:
         """``request`` (queued) has its prompt computed by another worker (P/D's prefill
@@ -159,9 +163,11 @@ class RequestsInFlight:
             (held if self.index.holds(request.worker, key) else unconfirmed).append(key)
         self._release(number, held)
         if unconfirmed:
-            request.keys = unconfirmed
+            request.keys = unconfirmed  # its window keys linger with them
             self._finishing.append((now + self.linger, request))
             self._finishing_on[number] = self._finishing_on.get(number, 0) + 1
+        else:  # the engine's events told (the window group's came in the same batch)
+            self._release_window(request)
 
     def expire(self, now: float) -> set[int]:
         """Let go of what ended more than ``linger`` seconds before ``now``; returns
@@ -174,6 +180,7 @@ class RequestsInFlight:
             else:
                 self._finishing_on.pop(request.number, None)
             self._release(request.number, request.keys)
+            self._release_window(request)
         changed: set[int] = set()
         while self._ended and self._ended[0][0] <= now:
             _, number = self._ended.popleft()
@@ -193,24 +200,52 @@ class RequestsInFlight:
         for until, request in self._finishing:
             if request.number == number:
                 self._release(number, request.keys)
+                self._release_window(request)
             else:
                 kept.append((until, request))
         self._finishing = kept
 
     def _release(self, number: int, keys: list[int]) -> None:
-        pending = self.pending.get(number)
-        if pending is None:
-            return
-        masks, bit = self.pending_masks, 1 << number
-        for key in keys:
-            left = pending.get(key, 0) - 1
-            if left > 0:
-                pending[key] = left
-            elif pending.pop(key, None) is not None:
-                mask = masks.get(key, 0) & ~bit
-                if mask:
-                    masks[key] = mask
-                else:
-                    masks.pop(key, None)
-        if not pending:
-            del self.pending[number]
+        _drop(self.pending, self.pending_masks, number, keys)
+
+    def _release_window(self, request: Routed) -> None:
+        if request.window_keys:
+            _drop(
+                self.window_pending, self.window_pending_masks, request.number, request.window_keys
+            )
+            request.window_keys = []
+
+
+def _add(
+    pending: dict[int, dict[int, int]], masks: dict[int, int], number: int, keys: list[int]
+) -> None:
+    """``keys`` pending once more on worker ``number``."""
+    counts = pending.setdefault(number, {})
+    bit = 1 << number
+    for key in keys:
+        count = counts.get(key, 0)
+        if not count:
+            masks[key] = masks.get(key, 0) | bit
+        counts[key] = count + 1
+
+
+def _drop(
+    pending: dict[int, dict[int, int]], masks: dict[int, int], number: int, keys: list[int]
+) -> None:
+    """``keys`` pending once less on worker ``number``."""
+    counts = pending.get(number)
+    if counts is None:
+        return
+    bit = 1 << number
+    for key in keys:
+        left = counts.get(key, 0) - 1
+        if left > 0:
+            counts[key] = left
+        elif counts.pop(key, None) is not None:
+            mask = masks.get(key, 0) & ~bit
+            if mask:
+                masks[key] = mask
+            else:
+                masks.pop(key, None)
+    if not counts:
+        del pending[number]

@@ -142,6 +142,10 @@ class _Windows(_Holders):
                 del self._window_sizes[blocks]
             self.window_mask &= ~bit
 
+    def window_blocks(self, number: int) -> int:
+        """Blocks of worker ``number``'s sliding window (0: no hybrid model seen there)."""
+        return self._windows.get(number, 0)
+
     # --- matching ----------------------------------------------------------------------
 
     def window_cut(
@@ -154,8 +158,8 @@ class _Windows(_Holders):
         """`match_masks`'s ``groups`` with each hybrid worker's match cut to what its
         engine can reuse (the module docstring), at most ``most`` blocks (the engine
         computes the prompt's last token: ``(tokens - 1) // block_size``). ``also``:
-        blocks pending per key (requests just routed), counted as window blocks too:
-        such a request leaves its prompt's last window cached. Same shape: pairs of
+        window blocks pending per key (the last window of requests just routed, which
+        their engines keep once they ran). Same shape: pairs of
         (workers, blocks), shallowest first, a worker's the deepest it is in."""
         hybrid = self.window_mask
         if not hybrid or not groups or not groups[0][0] & hybrid:
