@@ -128,12 +128,15 @@ def make_model(
     layers: int = 2,
     max_positions: int = 2048,
     sliding_window: int | None = None,
+    linear_attention: bool = False,
 ) -> None:
     """A small Llama config (load it with ``load_format="dummy"``; the default is tiny)
     and a word-level tokenizer over w3..w1023 (ids 3..1023) with a chat template;
     ``max_positions`` bounds ``--max-model-len``. With ``sliding_window`` (tokens), a
     hybrid model: even layers attend to that window only, odd ones to everything (vLLM
-    then keeps a sliding-window KV cache group beside the full-attention one)."""
+    then keeps a sliding-window KV cache group beside the full-attention one). With
+    ``linear_attention``, a tiny Qwen3-Next instead: three linear-attention (GDN) layers
+    and one full-attention layer (vLLM keeps a mamba group for each linear layer)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -150,6 +153,21 @@ def make_model(
         eos_token_id=2,
     )
     config.architectures = ["LlamaForCausalLM"]
+    if linear_attention:
+        from transformers import Qwen3NextConfig
+
+        config = Qwen3NextConfig(
+            vocab_size=1024, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+            linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+            linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            max_position_embeddings=max_positions, tie_word_embeddings=False,
+            torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        config.architectures = ["Qwen3NextForCausalLM"]
     if sliding_window:
         config.sliding_window = sliding_window
         config.layer_types = [

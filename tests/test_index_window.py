@@ -70,14 +70,55 @@ def test_a_window_eviction_leaves_the_full_attention_copy() -> None:
 
 def test_other_groups_are_skipped_removals_included() -> None:
     index = PrefixIndex()
-    mamba = BlockStored(
+    local = BlockStored(
         [100], None, blocks(A, 0, 1), BLOCK, None, "GPU", None,
-        group_idx=2, kv_cache_spec_kind="mamba",
+        group_idx=2, kv_cache_spec_kind="chunked_local_attention",
     )  # fmt: skip
-    index.apply_events("h/dp0", [full([100, 101], blocks(A, 0, 2)), mamba])
+    index.apply_events("h/dp0", [full([100, 101], blocks(A, 0, 2)), local])
     index.apply_events("h/dp0", [BlockRemoved([100], "GPU", group_idx=2)])
     assert index.match([*A[: 2 * BLOCK], 1]) == {"h/dp0": 64}
     assert index.other_groups == 2
+
+
+def mamba(hashes: list[int], group: int, tokens: list[int]) -> BlockStored:
+    """A mamba (linear-attention) group's store as vLLM 0.32 sends it: the hashes of the
+    block boundaries where it saved a state, no parent, the chunk's tokens."""
+    return BlockStored(
+        hashes, None, tokens, BLOCK, None, "GPU", None,
+        group_idx=group, kv_cache_spec_kind="mamba",
+    )  # fmt: skip
+
+
+def test_a_mamba_hit_needs_the_state_at_its_boundary() -> None:
+    """Three linear-attention groups saved their state at the end of A's prefill (block
+    3): A's next turn finds all four blocks, a prompt sharing three nothing."""
+    index = PrefixIndex()
+    states = [mamba([103], group, A[: 4 * BLOCK]) for group in range(3)]
+    index.apply_events("m/dp0", [*states, full([100, 101, 102, 103], blocks(A, 0, 4))])
+    assert index.match(A + [9] * 40) == {"m/dp0": 128}
+    assert index.match(A[: 3 * BLOCK] + [7] * 60) == {}
+    index.apply_events("m/dp0", [mamba([102], 0, A[: 3 * BLOCK])])  # a state at block 2
+    assert index.match(A[: 3 * BLOCK] + [7] * 60) == {"m/dp0": 96}
+
+
+def test_every_sparse_group_must_allow_the_hit() -> None:
+    """A model with sliding-window and mamba groups: the longest hit both allow, found as
+    vLLM's coordinator finds it, cutting by each until neither shortens it."""
+    index = PrefixIndex()
+    index.apply_events(
+        "x/dp0",
+        [
+            window([101, 102], blocks(A, 1, 3)),  # not block 0
+            mamba([101, 103], 2, A[: 4 * BLOCK]),
+            full([100, 101, 102, 103], blocks(A, 0, 4)),
+        ],
+    )
+    # Four blocks: the window wants 2 and 3 (no 3); three: 1 and 2, yes, but no state
+    # at block 2; two: a state at 1, but the window wants 0 and 1; one: the window
+    # wants 0. Nothing.
+    assert index.match(A + [9] * 40) == {}
+    index.apply_events("x/dp0", [window([100], blocks(A, 0, 1))])
+    assert index.match(A + [9] * 40) == {"x/dp0": 64}
 
 
 def test_plain_workers_beside_hybrid_ones_match_as_before() -> None:

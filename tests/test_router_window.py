@@ -1,17 +1,23 @@
-"""The router's predictions on a real vLLM CPU engine serving a hybrid model: a tiny
-dummy-weight Llama whose even layers attend to a 64-token sliding window (vLLM keeps a
-sliding-window KV cache group beside the full-attention one).
+"""The router's predictions on real vLLM CPU engines serving hybrid models:
 
-Such an engine reuses a cached prefix only where its sliding-window group still holds
-the window of blocks before the prefix's end, and that group keeps few blocks (those
-near each request's last token). So a conversation's next turn finds its history
-cached, while another request sharing only the system prompt may find nothing, although
-the full-attention group holds that prompt. What the router predicts must be what the
-engine reports, for both."""
+- ``window``: a tiny dummy-weight Llama whose even layers attend to a 64-token sliding
+  window (vLLM keeps a sliding-window KV cache group beside the full-attention one);
+- ``linear``: a tiny Qwen3-Next, three linear-attention (GDN) layers and one
+  full-attention layer (vLLM keeps a mamba group per linear layer, and picks a block
+  size of 96 tokens to match their state's pages).
+
+Such an engine reuses a cached prefix only where its other groups allow: the window
+group must still hold the window of blocks before the prefix's end, a mamba group the
+state saved at exactly that boundary, and both keep few (near each request's last
+token). So a conversation's next turn finds its history cached, while another request
+sharing only the system prompt may find nothing, although the full-attention group
+holds that prompt. What the router predicts must be what the engine reports, for both."""
 
 from __future__ import annotations
 
 import random
+import re
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -23,21 +29,38 @@ from .servers import NatsServer
 WINDOW = 64  # tokens: two blocks of 32
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["window", "linear"])
 def hybrid(
-    tmp_path_factory: pytest.TempPathFactory, nats_server: NatsServer
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    nats_server: NatsServer,
 ) -> Iterator[tuple[VllmServer, RouterProcess]]:
-    directory = tmp_path_factory.mktemp("window")
+    directory = tmp_path_factory.mktemp(request.param)
     model = directory / "model"
     model.mkdir()
-    make_model(model, sliding_window=WINDOW)
-    # 80 blocks in all, shared by the two groups: the workload evicts.
-    engine = VllmServer(directory, model, "hybrid", nats_server.url, blocks=80)
+    if request.param == "window":
+        make_model(model, sliding_window=WINDOW)
+    else:
+        make_model(model, linear_attention=True)
+    # A few hundred blocks' worth of tokens in all, shared by the groups: the workload
+    # evicts.
+    engine = VllmServer(
+        directory, model, request.param, nats_server.url,
+        blocks=80 if request.param == "window" else 40,
+    )  # fmt: skip
     with engine_behind_router(engine, nats_server.url) as router:
         yield engine, router
 
 
-def test_predictions_match_a_sliding_window_engine(
+def block_size(engine: VllmServer) -> int:
+    """The engine's block size, as it resolved it (vLLM's ``cache_config_info``)."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as response:
+        found = re.search(r'cache_config_info\{[^}]*\bblock_size="(\d+)"', response.read().decode())
+    assert found is not None
+    return int(found.group(1))
+
+
+def test_predictions_match_a_hybrid_engine(
     hybrid: tuple[VllmServer, RouterProcess],
 ) -> None:
     engine, router = hybrid
@@ -46,17 +69,18 @@ def test_predictions_match_a_sliding_window_engine(
     def words(count: int) -> str:
         return " ".join(f"w{rng.randrange(4, 1024)}" for _ in range(count))
 
-    systems = [words(96) for _ in range(2)]  # three blocks each
-    # Every prompt ends past the system prompt's blocks by over a window: none leaves the
-    # window before the system prompt's end cached.
-    conversations = [f"{systems[c % 2]} {words(40)}" for c in range(4)]
+    block = block_size(engine)  # 32, or 96 for the linear model
+    systems = [words(3 * block) for _ in range(2)]  # three blocks each
+    # Every prompt ends past the system prompt's blocks by over a window (and a block):
+    # none leaves the window (or the state) at the system prompt's end cached.
+    conversations = [f"{systems[c % 2]} {words(block + 8)}" for c in range(4)]
     seen: list[tuple[str, int, int]] = []  # (kind, predicted, reported)
     said: list[tuple[str, int, int, int, int]] = []  # and the conversation, prompt tokens
     for _turn in range(4):
         for c in rng.sample(range(len(conversations)), len(conversations)):
             for kind, prompt in (
                 ("turn", conversations[c]),
-                ("sibling", f"{systems[c % 2]} {words(rng.randrange(40, 60))}"),
+                ("sibling", f"{systems[c % 2]} {words(rng.randrange(block + 8, 2 * block))}"),
             ):
                 body = {"model": str(engine.model), "prompt": prompt, "max_tokens": 4,
                         "ignore_eos": True, "temperature": 0.0}  # fmt: skip
@@ -68,9 +92,10 @@ def test_predictions_match_a_sliding_window_engine(
                 seen.append((kind, predicted, reported))
                 said.append((kind, c, usage["prompt_tokens"], predicted, reported))
                 if kind == "turn":  # the next turn: this one, its answer, more words
-                    conversations[c] = f"{prompt} {answer['choices'][0]['text']} {words(40)}"
-    # The window rule: a router matching the full-attention group alone predicts 96
-    # tokens for a sibling the engine finds nothing for.
+                    text = answer["choices"][0]["text"]
+                    conversations[c] = f"{prompt} {text} {words(block + 8)}"
+    # The rule: a router matching the full-attention group alone predicts the system
+    # prompt for a sibling the engine finds nothing for.
     siblings = [(p, r) for kind, p, r in seen if kind == "sibling"]
     assert all(p == r for p, r in siblings), said
     # Turns: all exact in 21 of 22 runs; in one, the four turns of one round were
@@ -81,5 +106,5 @@ def test_predictions_match_a_sliding_window_engine(
     # Both sides of the rule were exercised: turns found their history, and some
     # siblings found nothing of the system prompt the full-attention group held (a
     # router matching that group alone predicts 96 tokens for them).
-    assert sum(reported > 0 for kind, _, reported in seen if kind == "turn") >= 8, seen
-    assert any(reported == 0 for kind, _, reported in seen if kind == "sibling"), seen
+    assert sum(reported > 0 for kind, _, reported in seen if kind == "turn") >= 8, said
+    assert any(reported == 0 for kind, _, reported in seen if kind == "sibling"), said

@@ -8,8 +8,8 @@ LoRA adapter, the per-block extra keys and, for vLLM >= 0.33 engines that hash a
 the lookahead tokens), so the index never depends on the engine's hash seed or
 algorithm. A worker is a kvbus source (``NAME/dp<rank>`` for vLLM engines). Blocks are
 tracked per medium (GPU, CPU, STORAGE). For hybrid models the full-attention group's
-blocks are the prefix, and a sliding-window group's blocks cut it to what the engine
-can reuse (`kvbus.routing.index_window`); other groups (mamba) are skipped.
+blocks are the prefix, and its sliding-window and mamba groups' blocks cut it to what
+the engine can reuse (`kvbus.routing.index_window`); other groups are skipped.
 ``AllBlocksCleared``, a `Resync` and a new epoch clear exactly that worker.
 
 Residency is a count, as in the engine: vLLM may cache several copies of one block
@@ -25,7 +25,7 @@ The index in parts, one concern each:
 - `kvbus.routing.index_holders`: each worker's blocks and the holder masks, their caps;
 - `kvbus.routing.index_feed`: applying kv messages (the hot path);
 - `kvbus.routing.index_match`: querying a prompt's match;
-- `kvbus.routing.index_window`: hybrid models' sliding-window groups.
+- `kvbus.routing.index_window`: hybrid models' sliding-window and mamba groups.
 
 `PrefixIndex` is the feeding and the querying side of one shared state, joined by
 inheritance rather than held as parts: a call goes straight to the method that does

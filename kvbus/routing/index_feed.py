@@ -22,7 +22,7 @@ from kvbus.routing.index_holders import (
     _Worker,
 )
 from kvbus.routing.index_keys import ROOT, keys_of
-from kvbus.routing.index_window import SLIDING_WINDOW, _Windows
+from kvbus.routing.index_window import SPARSE_KINDS, _Windows
 from kvbus.routing.kernels import kernels as kernels  # switched by kvbus.routing.index.use_kernels
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import (
@@ -156,8 +156,8 @@ class _Feeding(_Windows):
         kind = event.kv_cache_spec_kind
         if kind not in _FULL_ATTENTION:
             self._learn_group(worker, event.group_idx, kind)
-            if kind == SLIDING_WINDOW:
-                self._defer(worker, event)  # after the batch's full-attention blocks
+            if kind in SPARSE_KINDS:
+                self._defer(worker, kind, event)  # after the batch's full-attention blocks
             else:
                 self.other_groups += len(event.block_hashes)
             return
@@ -322,8 +322,8 @@ class _Feeding(_Windows):
     def _removed(self, worker: str, event: BlockRemoved) -> None:
         kind = self._group_kind(worker, event.group_idx)
         if kind is not None:  # not the full-attention copies of the same engine hashes
-            if kind == SLIDING_WINDOW:
-                self._defer(worker, event)
+            if kind in SPARSE_KINDS:
+                self._defer(worker, kind, event)
             else:
                 self.other_groups += len(event.block_hashes)
             return

@@ -223,25 +223,18 @@ class _Holders:
         self.over_cap = 0
         """Blocks forgotten because their worker held more than its cap (see
         `DEFAULT_MAX_BLOCKS_PER_WORKER`, `set_capacity`)."""
-        # Hybrid models (`kvbus.routing.index_window`): a worker's sliding-window group
-        # apart from its full-attention blocks, and the kind of each of its groups.
-        self._window_masks: dict[int, int] = {}
-        """router key -> mask of the workers whose sliding-window group holds it"""
-        self._window_workers: dict[str, _Worker] = {}
-        self._windows: dict[int, int] = {}
-        """worker number -> blocks of its sliding window (the engine's contiguous blocks
-        a prefix hit needs in that group)"""
-        self._window_sizes: dict[int, int] = {}
-        """blocks of a sliding window -> mask of the workers with that window"""
-        self.window_mask = 0
-        """Mask of the workers with a sliding-window group (0: no hybrid model seen)."""
+        # Hybrid models (`kvbus.routing.index_window`): each worker's sliding-window and
+        # mamba groups apart from its full-attention blocks, and the kind of its groups.
+        from kvbus.routing.index_window import SPARSE_KINDS, SparseGroup
+
+        self._sparse = {kind: SparseGroup(kind) for kind in SPARSE_KINDS}
         self._group_kinds: dict[str, dict[int, str]] = {}
         """worker -> its KV cache groups' kinds, as its stores name them"""
-        self._deferred: list[tuple[str, object]] = []
+        self._deferred: list[tuple[str, str, object]] = []
         """A batch's sliding-window events, applied after its others (they are keyed as
         full-attention blocks the same batch may store after them)."""
         self.other_groups = 0
-        """Blocks of groups neither full-attention nor sliding-window (mamba, chunked
+        """Blocks of groups neither full-attention, sliding-window nor mamba (chunked
         local attention) skipped, stored or removed."""
 
     @property

@@ -1,5 +1,6 @@
-"""Hybrid models' sliding-window groups in the prefix index: what a worker's engine can
-reuse of a prompt when some of its layers attend to a window only.
+"""Hybrid models' sliding-window and mamba groups in the prefix index: what a worker's
+engine can reuse of a prompt when some of its layers attend to a window only, or keep a
+recurrent state (mamba, linear attention).
 
 vLLM keeps such layers' KV in a cache group of its own (its events name it:
 ``kv_cache_spec_kind`` ``sliding_window``, ``group_idx``), and that group keeps few
@@ -12,14 +13,23 @@ within ``HybridKVCacheCoordinator``'s). So a conversation's next turn finds its 
 while a request sharing only an earlier request's system prompt may find nothing,
 although the full-attention group holds it.
 
-The index keeps each worker's sliding-window blocks apart (their own holder masks: a
+The index keeps each worker's blocks of such groups apart (their own holder masks: a
 window block evicted must not take the full-attention copy of the same engine hash
 with it), each keyed as the full-attention block of the same engine hash, and cuts each
 hybrid worker's match to the longest ``L`` its window allows (`window_cut`): one pass
 over the prompt's matched blocks, a few big-int operations per block, whatever the
-number of workers. Groups of other kinds (mamba, chunked local attention) are skipped,
-their removals too. A worker whose model has only sliding-window layers stores no
-full-attention block to key its window blocks as: they are not indexed.
+number of workers.
+
+A mamba group (``kv_cache_spec_kind`` ``mamba``: Mamba, GDN and other linear-attention
+layers) keeps a request's recurrent state at a few block boundaries only (in vLLM's
+``align`` mode, where a scheduled chunk ended), named by the full-attention hash of the
+block ending there; a hit of ``L`` blocks needs the state at exactly that boundary
+(``MambaManager.find_longest_cache_hit``): a window of one block. A model with both
+kinds needs both, and the engine takes the longest ``L`` every group allows (its
+coordinator iterates to a fixed point; so does `window_cut`). Groups of other kinds
+(chunked local attention) are skipped, their removals too. A worker whose model has no
+full-attention layers stores no full-attention block to key the others' blocks as: they
+are not indexed.
 """
 
 from __future__ import annotations
@@ -33,12 +43,109 @@ from kvbus.routing.index_holders import _MIN_REMEMBERED, MEDIUM_SHIFTS, _Holders
 from kvbus.wire.events import BlockRemoved
 
 SLIDING_WINDOW: Final = "sliding_window"
+MAMBA: Final = "mamba"
+SPARSE_KINDS: Final = (SLIDING_WINDOW, MAMBA)
+"""Groups that keep few of a prompt's blocks, whose hits the index follows."""
 MAX_GROUPS: Final = 16
 """KV cache groups remembered per worker (vLLM's models have a handful)."""
+Groups = list[tuple[int, int]]
+
+
+class SparseGroup:
+    """One kind of group over every worker: the blocks each keeps (holder masks of their
+    own) and the width of the window a hit needs, per worker."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.masks: dict[int, int] = {}
+        """router key -> mask of the workers whose group of this kind holds it"""
+        self.workers: dict[str, _Worker] = {}
+        self.widths: dict[int, int] = {}
+        """worker number -> blocks before a hit's end this group must hold"""
+        self.sizes: dict[int, int] = {}
+        """width -> mask of the workers with that width"""
+        self.mask = 0
+        """The workers with a group of this kind."""
+
+    def width(self, event: Any, block_size: int) -> int:
+        if self.kind == MAMBA:
+            return 1  # the state at the hit's boundary
+        tokens = event.kv_cache_spec_sliding_window
+        blocks = math.ceil((tokens - 1) / block_size) if isinstance(tokens, int) else 1
+        return min(max(1, blocks), 1 << 20)  # a forged window: bounded like a block count
+
+    def set_width(self, number: int, width: int) -> None:
+        """Worker ``number``'s group needs ``width`` blocks (the widest it named)."""
+        before = self.widths.get(number, 0)
+        if width <= before:
+            return
+        self._unsize(number, before)
+        self.widths[number] = width
+        self.sizes[width] = self.sizes.get(width, 0) | (1 << number)
+        self.mask |= 1 << number
+
+    def clear(self, worker: str, number: int) -> None:
+        state = self.workers.pop(worker, None)
+        if state is not None:
+            _kernels.clear_holder(self.masks, state.held, state.bit)
+        self._unsize(number, self.widths.pop(number, 0))
+        self.mask &= ~(1 << number)
+
+    def _unsize(self, number: int, width: int) -> None:
+        if width:
+            left = self.sizes[width] & ~(1 << number)
+            if left:
+                self.sizes[width] = left
+            else:
+                del self.sizes[width]
+
+    def cut(
+        self, groups: Groups, keys: Sequence[int], most: int, also: Mapping[int, int]
+    ) -> Groups:
+        """``groups`` (ascending blocks; a worker's match the deepest it is in) with this
+        kind's workers cut to the longest match whose window this group holds."""
+        matched = 0
+        for mask, _ in groups:
+            matched |= mask
+        members = self.mask & matched
+        if not members:
+            return groups
+        cut = [(mask & ~members, blocks) for mask, blocks in groups if mask & ~members]
+        deepest = min(groups[-1][1], most)
+        if deepest <= 0:
+            return cut
+        held = self.masks
+        present = [(held.get(key, 0) | also.get(key, 0)) & members for key in keys[:deepest]]
+        found: Groups = []
+        for width, sized in self.sizes.items():
+            workers = sized & members
+            if not workers:
+                continue
+            window = _window_ands(present, width)
+            assigned, deeper, index = 0, 0, len(groups) - 1
+            for blocks in range(deepest, 0, -1):
+                while index >= 0 and min(groups[index][1], most) >= blocks:
+                    deeper |= groups[index][0]  # the workers matching at least ``blocks``
+                    index -= 1
+                reusable = window[blocks - 1] & deeper & workers & ~assigned
+                if reusable:
+                    found.append((reusable, blocks))
+                    assigned |= reusable
+        return sorted(cut + found, key=lambda pair: pair[1])
 
 
 class _Windows(_Holders):
-    """The index's sliding-window side (see the module docstring)."""
+    """The index's side for hybrid models' sparse groups (see the module docstring)."""
+
+    @property
+    def window_mask(self) -> int:
+        """Mask of the workers with a sliding-window or mamba group (0: none seen)."""
+        return self._sparse[SLIDING_WINDOW].mask | self._sparse[MAMBA].mask
+
+    def window_blocks(self, number: int) -> int:
+        """Blocks before a hit's end worker ``number``'s sparse groups need at most (0:
+        none): a request leaves about as many of its prompt's last blocks there."""
+        return max(group.widths.get(number, 0) for group in self._sparse.values())
 
     def _learn_group(self, worker: str, group: int | None, kind: str | None) -> None:
         """``worker``'s group ``group`` holds layers of ``kind`` (not full attention)."""
@@ -54,28 +161,25 @@ class _Windows(_Holders):
         kinds = self._group_kinds.get(worker)
         return kinds.get(group) if kinds and group is not None else None
 
-    def _defer(self, worker: str, event: object) -> None:
-        self._deferred.append((worker, event))
+    def _defer(self, worker: str, kind: str, event: object) -> None:
+        self._deferred.append((worker, kind, event))
 
     def _apply_deferred(self) -> None:
-        """A batch's sliding-window events, in order, after its other events."""
+        """A batch's sparse groups' events, in order, after its other events."""
         deferred, self._deferred = self._deferred, []
-        for worker, event in deferred:
+        for worker, kind, event in deferred:
+            group = self._sparse[kind]
             if isinstance(event, BlockRemoved):
-                self._window_removed(worker, event)
+                self._sparse_removed(group, worker, event)
             else:
-                self._window_stored(worker, event)
+                self._sparse_stored(group, worker, event)
 
-    def _drop_deferred(self, worker: str) -> None:
-        if self._deferred:
-            self._deferred = [d for d in self._deferred if d[0] != worker]
-
-    def _window_stored(self, worker: str, event: Any) -> None:
-        """Window blocks stored. vLLM names them by the same engine hashes as the
-        full-attention group's blocks of the same tokens (one hash chain per request),
-        but without their parent (the block before is rarely in the window group): each
-        is keyed as the full-attention block of its hash, which the same batch may
-        store after it (hence deferred)."""
+    def _sparse_stored(self, group: SparseGroup, worker: str, event: Any) -> None:
+        """Blocks of a sparse group stored. vLLM names them by the same engine hashes as
+        the full-attention group's blocks of the same tokens (one hash chain per
+        request), but often without their parent (the block before is rarely in such a
+        group): each is keyed as the full-attention block of its hash, which the same
+        batch may store after it (hence deferred)."""
         hashes = event.block_hashes
         full = self._workers.get(worker)
         known = full.keys if full is not None else {}
@@ -83,109 +187,67 @@ class _Windows(_Holders):
         self.unchained += len(hashes) - len(keys)  # never held in full: no key
         if full is None or not keys:
             return
-        window = self._window_workers.get(worker)
-        if window is None:
-            window = self._window_workers[worker] = _Worker(full.number, full.block_size)
-        self._set_window(full.number, full.block_size, event.kv_cache_spec_sliding_window)
-        window.add_copies(self._window_masks, keys, MEDIUM_SHIFTS.get(event.medium, 0))
-        window.keys.update((h, known[h]) for h in hashes if h in known)
+        state = group.workers.get(worker)
+        if state is None:
+            state = group.workers[worker] = _Worker(full.number, full.block_size)
+        group.set_width(full.number, group.width(event, full.block_size))
+        state.add_copies(group.masks, keys, MEDIUM_SHIFTS.get(event.medium, 0))
+        state.keys.update((h, known[h]) for h in hashes if h in known)
         limit = self.max_blocks_per_worker
         capacity = self._capacity[full.number]
         if capacity:
             limit = min(limit, 2 * capacity + _MIN_REMEMBERED)
-        if len(window.held) > limit or len(window.keys) > limit + _MIN_REMEMBERED:
+        if len(state.held) > limit or len(state.keys) > limit + _MIN_REMEMBERED:
             keep = limit - (limit >> 3)
-            self.over_cap += window.forget_oldest(self._window_masks, keep, keep, keep)
+            self.over_cap += state.forget_oldest(group.masks, keep, keep, keep)
 
-    def _set_window(self, number: int, block_size: int, tokens: int | None) -> None:
-        """Worker ``number`` keeps a sliding window of ``tokens``: a hit needs that
-        many blocks before its end in the window group (the widest of its windows)."""
-        blocks = max(1, math.ceil(((tokens or 1) - 1) / block_size)) if tokens else 1
-        blocks = min(blocks, 1 << 20)  # a forged window: bounded like a block count
-        before = self._windows.get(number, 0)
-        if blocks <= before:
-            return
-        bit = 1 << number
-        if before:
-            self._window_sizes[before] &= ~bit
-            if not self._window_sizes[before]:
-                del self._window_sizes[before]
-        self._windows[number] = blocks
-        self._window_sizes[blocks] = self._window_sizes.get(blocks, 0) | bit
-        self.window_mask |= bit
-
-    def _window_removed(self, worker: str, event: BlockRemoved) -> None:
-        window = self._window_workers.get(worker)
+    def _sparse_removed(self, group: SparseGroup, worker: str, event: BlockRemoved) -> None:
+        state = group.workers.get(worker)
         hashes = event.block_hashes
-        if window is None:
+        if state is None:
             self.unknown_removals += len(hashes)
             return
-        keys = list(map(window.keys.get, hashes))
+        keys = list(map(state.keys.get, hashes))
         shift = MEDIUM_SHIFTS.get(event.medium, 0)
-        last, unknown = window.remove_copies(self._window_masks, hashes, keys, shift)
+        last, unknown = state.remove_copies(group.masks, hashes, keys, shift)
         self.unknown_removals += unknown
-        window.forget(last)
+        state.forget(last)
 
     def _window_clear(self, worker: str, number: int) -> None:
         """``worker`` (``number``) emptied its cache, or restarted (maybe as another
-        model): its window blocks and what was learned of its groups go."""
-        self._drop_deferred(worker)
+        model): its sparse groups' blocks and what was learned of its groups go."""
+        if self._deferred:
+            self._deferred = [d for d in self._deferred if d[0] != worker]
         self._group_kinds.pop(worker, None)
-        window = self._window_workers.pop(worker, None)
-        if window is not None:
-            _kernels.clear_holder(self._window_masks, window.held, window.bit)
-        blocks = self._windows.pop(number, 0)
-        if blocks:
-            bit = 1 << number
-            self._window_sizes[blocks] &= ~bit
-            if not self._window_sizes[blocks]:
-                del self._window_sizes[blocks]
-            self.window_mask &= ~bit
-
-    def window_blocks(self, number: int) -> int:
-        """Blocks of worker ``number``'s sliding window (0: no hybrid model seen there)."""
-        return self._windows.get(number, 0)
+        for group in self._sparse.values():
+            group.clear(worker, number)
 
     # --- matching ----------------------------------------------------------------------
 
     def window_cut(
         self,
-        groups: list[tuple[int, int]],
+        groups: Groups,
         keys: Sequence[int],
         most: int,
         also: Mapping[int, int] | None = None,
-    ) -> list[tuple[int, int]]:
+    ) -> Groups:
         """`match_masks`'s ``groups`` with each hybrid worker's match cut to what its
         engine can reuse (the module docstring), at most ``most`` blocks (the engine
         computes the prompt's last token: ``(tokens - 1) // block_size``). ``also``:
-        window blocks pending per key (the last window of requests just routed, which
-        their engines keep once they ran). Same shape: pairs of
-        (workers, blocks), shallowest first, a worker's the deepest it is in."""
-        hybrid = self.window_mask
-        if not hybrid or not groups or not groups[0][0] & hybrid:
+        sparse-group blocks pending per key (the last blocks of requests just routed,
+        which their engines keep once they ran). Same shape: pairs of (workers, blocks),
+        ascending, a worker's the deepest it is in."""
+        kinds = [group for group in self._sparse.values() if group.mask]
+        if not kinds or not groups:
             return groups
-        cut = [(mask & ~hybrid, blocks) for mask, blocks in groups if mask & ~hybrid]
-        deepest = min(groups[-1][1], most)
-        if deepest <= 0:
-            return cut
-        held, extra = self._window_masks, also or {}
-        present = [(held.get(key, 0) | extra.get(key, 0)) & hybrid for key in keys[:deepest]]
-        found: list[tuple[int, int]] = []
-        for width, members in self._window_sizes.items():
-            if not members & groups[0][0]:
-                continue
-            window = _window_ands(present, width)
-            assigned, deeper, index = 0, 0, len(groups) - 1
-            for blocks in range(deepest, 0, -1):
-                while index >= 0 and min(groups[index][1], most) >= blocks:
-                    deeper |= groups[index][0]  # the workers matching at least ``blocks``
-                    index -= 1
-                reusable = window[blocks - 1] & deeper & members & ~assigned
-                if reusable:
-                    found.append((reusable, blocks))
-                    assigned |= reusable
-        found.sort(key=lambda pair: pair[1])
-        return cut + found
+        extra = also or {}
+        for _ in range(4):  # as vLLM's coordinator, to a fixed point (each cut shortens)
+            before = groups
+            for group in kinds:
+                groups = group.cut(groups, keys, most, extra)
+            if len(kinds) == 1 or groups == before or not groups:
+                break
+        return groups
 
 
 def _window_ands(masks: list[int], width: int) -> list[int]:
