@@ -905,7 +905,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace-id-tokens", type=int, default=128, help="(b)")
     parser.add_argument("--trace-max-ids", type=int, default=48, help="(b)")
     parser.add_argument("--trace-engines", type=int, default=16, help="(b)")
-    parser.add_argument("--json", type=Path, help="write every request's figures here")
+    parser.add_argument(
+        "--json", type=Path,
+        help="write every request's figures here (its engine: kvbus's x-kvbus-worker, or "
+        "for a peer the engine kvbus sim names in the answer's id)",
+    )  # fmt: skip
     parser.add_argument("--logs", type=Path, help="keep the processes' logs here")
     parser.add_argument(
         "--kvbus-block-size", action=argparse.BooleanOptionalAction, default=False,

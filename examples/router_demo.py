@@ -110,6 +110,14 @@ def workload(
     return requests
 
 
+def sim_engine(answer_id: object) -> str:
+    """The engine a ``kvbus sim`` answer came from (its id is ``cmpl-<engine>-<hex>``),
+    or "" for any other id."""
+    if not isinstance(answer_id, str) or answer_id.count("-") < 2:
+        return ""
+    return answer_id.split("-", 1)[1].rsplit("-", 1)[0]
+
+
 async def send(
     session: aiohttp.ClientSession, base: str, request: Request, number: int = 0
 ) -> Result:
@@ -127,7 +135,10 @@ async def send(
                 result.ttft = time.perf_counter() - started
             if not line.startswith(b"data: {"):
                 continue
-            usage = json.loads(line[6:]).get("usage")
+            chunk = json.loads(line[6:])
+            if not result.worker:  # a peer's: kvbus sim names its engine in the id
+                result.worker = sim_engine(chunk.get("id"))
+            usage = chunk.get("usage")
             if usage:
                 result.prompt_tokens = usage["prompt_tokens"]
                 details = usage.get("prompt_tokens_details") or {}

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from cluster import free_port, make_model
+from router_demo import sim_engine
 
 import kvbus
 from kvbus import AllBlocksCleared, LoadMetrics, Message
@@ -262,6 +263,17 @@ async def test_n_choices_share_the_prompt_and_bad_requests_get_vllm_errors(sim: 
     assert status == 400
     # The engine still serves after them.
     assert (await sim.complete(0, "w5 w6"))["usage"]["prompt_tokens"] == 2
+
+
+async def test_an_answers_id_names_its_engine(sim: Sim) -> None:
+    """Behind a router that adds no header of its own, the answers still show where each
+    request went (bench/bench_fleet_routing.py's placement of the peers)."""
+    for engine in (0, 1):
+        answer = await sim.complete(engine, PREFIX)
+        name = sim.fleet.engines[engine].name
+        assert answer["id"].startswith(f"cmpl-{name}-")
+        assert sim_engine(answer["id"]) == name
+    assert sim_engine("cmpl-0123abcd") == "" and sim_engine(None) == ""
 
 
 async def test_models_health_metrics_and_what_vllm_router_calls(sim: Sim, model_dir: Path) -> None:

@@ -283,7 +283,9 @@ class _Reply:
         self.api = api
         self.chat = chat
         self.streams = streams
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # The engine's name in the id (``cmpl-sim-3-<hex>``): a router in front that adds
+        # no header of its own still shows, through its answers, where it sent each request.
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{api.engine.name}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = body.get("model") or api.engine.model_name
         options = body.get("stream_options")
