@@ -130,10 +130,18 @@ def test_plain_workers_beside_hybrid_ones_match_as_before() -> None:
     assert index.match(A[: 3 * BLOCK] + [7] * 60) == {"p/dp0": 96}
 
 
-def test_a_clear_forgets_the_window_and_the_model() -> None:
+def test_an_emptied_cache_keeps_the_model_and_a_restart_forgets_it() -> None:
+    """``AllBlocksCleared`` (vLLM's ``/reset_prefix_cache``) empties the cache, not the
+    model: full-attention blocks stored before the window group's (a request routed in
+    between) are still cut. A restart (a new epoch, or events lost) may bring another
+    model: what was learned of the groups goes."""
     index = PrefixIndex()
     served(index)
     index.apply_events("h/dp0", [AllBlocksCleared()])
+    assert index.window_mask == 1
+    index.apply_events("h/dp0", [full([1, 2, 3], blocks(A, 0, 3))])
+    assert index.match(A[: 3 * BLOCK] + [7] * 60) == {}  # no window held yet
+    index.clear("h/dp0")  # as a new epoch or a resync does
     assert index.window_mask == 0
     # Restarted with a plain model: its matches are no longer cut.
     index.apply_events(
@@ -162,11 +170,15 @@ def test_window_ands_are_the_ands_of_each_window(width: int) -> None:
         assert _window_ands(masks, width) == expected
 
 
-def test_a_request_just_routed_leaves_only_its_last_window_pending() -> None:
+def test_a_request_just_routed_leaves_the_windows_vllm_keeps_pending() -> None:
     """Before its engine's events come, a request routed to a hybrid worker counts as
-    leaving its prompt's blocks in the full-attention group and its last window in the
-    window group: its next turn is predicted to find it all, a request sharing only its
-    first blocks nothing."""
+    leaving its prompt's blocks in the full-attention group and, in the window group,
+    what vLLM's sparse retention keeps: the window ending on the replay boundary (its
+    prompt less one token, in whole blocks) and the window ending on the junction, where
+    the full-attention group held a shared prefix the window group could not reuse.
+    Its next turn is predicted to find it all, and so is a sibling sharing the junction;
+    a block-aligned prompt keeps the window before its last block, not the one ending
+    on it."""
     from kvbus import Kind, LoadMetrics, Message
     from kvbus.routing.router import Router
 
@@ -176,12 +188,51 @@ def test_a_request_just_routed_leaves_only_its_last_window_pending() -> None:
     served(r.index)  # a hybrid model (A served), window 2 blocks
     b = [*A[: 3 * BLOCK], *range(2000, 2000 + 2 * BLOCK + 5)]  # 5 whole blocks, new tail
     first = r.route(b)
-    assert first is not None and first.window_keys == first.keys[-2:]
+    assert first is not None and first.predicted_cached_tokens == 0
+    assert first.window_ends == [5, 3]  # replay boundary, junction (A's 3 blocks)
+    assert first.window_keys == first.keys[3:5] + first.keys[1:3]
     turn = r.route([*b, *range(3000, 3040)])  # its next turn: all 5 blocks
-    sibling = r.route([*A[: 3 * BLOCK], *range(4000, 4070)])  # shares 3 blocks only
-    assert turn is not None and sibling is not None
-    assert (turn.predicted_cached_tokens, sibling.predicted_cached_tokens) == (160, 0)
-    for decision in (first, turn, sibling):
+    sibling = r.route([*A[: 3 * BLOCK], *range(4000, 4070)])  # shares the junction
+    stranger = r.route([*A[: 2 * BLOCK], *range(5000, 5070)])  # shares 2 blocks only
+    assert turn is not None and sibling is not None and stranger is not None
+    assert turn.predicted_cached_tokens == 160
+    assert (sibling.predicted_cached_tokens, stranger.predicted_cached_tokens) == (96, 0)
+    aligned = r.route([*range(6000, 6000 + 4 * BLOCK)])  # exactly 4 blocks, all new
+    assert aligned is not None and aligned.window_ends == [3]
+    assert aligned.window_keys == aligned.keys[1:3]  # not block 3: vLLM recomputes it
+    again = r.route([*range(6000, 6000 + 4 * BLOCK), *range(7000, 7040)])
+    assert again is not None and again.predicted_cached_tokens == 96
+    for decision in (first, turn, sibling, stranger, aligned, again):
         r.finished(decision)
     r.state.expire(1e12)  # long after: nothing pending any more
     assert not r.state.window_pending_masks and not r.state.pending_masks
+
+
+def test_a_replicas_request_leaves_the_same_windows_and_forged_ends_are_clamped() -> None:
+    """Router replicas share the windows a request leaves (``RouteEvent.window_ends``):
+    a sibling routed by the other replica finds the junction's window too. Ends read off
+    the bus are untrusted: out of range or too many, they are clamped."""
+    from kvbus import Kind, LoadMetrics, Message
+    from kvbus.routing.router import Router
+    from kvbus.wire.events import RouteEvent
+
+    record = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0)
+    routers = [Router(block_size=BLOCK, seed=1, replica=name) for name in ("r1", "r2")]
+    for router in routers:
+        router.apply_metrics(Message("h/dp0", 1, 1, Kind.METRICS, 0.0, record, b"", 0))
+        served(router.index)
+    one, two = routers
+    one.share = lambda event: two.apply_routes(
+        Message("r1", 1, event.request, Kind.ROUTES, 0.0, event, b"", 0)
+    )
+    first = one.route([*A[: 3 * BLOCK], *range(2000, 2000 + 2 * BLOCK + 5)])
+    assert first is not None and two.peer_requests == 1
+    sibling = two.route([*A[: 3 * BLOCK], *range(4000, 4070)])
+    assert sibling is not None and sibling.predicted_cached_tokens == 96
+    keys = first.keys
+    for number, ends in enumerate(([-5, 10**18], [2, 2, 2, 4, 5] * 1000, []), start=100):
+        event = RouteEvent(ts=0.0, request=number, phase="routed", worker="h/dp0",
+                           keys=keys, window_ends=ends)  # fmt: skip
+        two.apply_routes(Message("r3", 1, number, Kind.ROUTES, 0.0, event, b"", 0))
+    peers = [two.replica_requests.get("r3", n) for n in (100, 101, 102)]
+    assert [p.window_keys if p else None for p in peers] == [keys[-2:], keys[0:2], keys[-2:]]

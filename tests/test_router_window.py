@@ -99,10 +99,12 @@ def test_predictions_match_a_hybrid_engine(
     # blocks in full). Most of those must be predicted as found: nothing.
     missed = [(p, r) for kind, p, r in seen if kind == "sibling" and r == 0]
     assert missed and sum(p == 0 for p, _ in missed) >= 0.5 * len(missed), said
-    # All exact in most runs; in about 1 run in 15 of the window model one round went
-    # wrong (its four turns predicted 224 tokens where the engine found 192; once, a
-    # sibling): not yet explained, and seen with the full-attention group alone too.
+    # Every request exact, but one at most: the engine's events may reach the router
+    # after the next request is routed, and then its windows just routed count (vLLM's
+    # sparse retention, `kvbus.routing.cost.Decision.window_ends`). Runs of this
+    # workload against one engine: 5 of 60 had one request wrong before that rule,
+    # none of 80 after.
     exact = sum(predicted == reported for _, predicted, reported in seen)
-    assert exact >= 0.85 * len(seen), said
+    assert exact >= len(seen) - 1, said
     # Turns found their history.
     assert sum(reported > 0 for kind, _, reported in seen if kind == "turn") >= 8, said

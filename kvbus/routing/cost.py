@@ -117,9 +117,18 @@ class Decision(msgspec.Struct, kw_only=True):
     streaming: bool = False
     """Whether `Router.started` was told the response is streaming."""
     keys: list[int] = []
-    window_keys: list[int] = []
-    """Of ``keys``, those a hybrid model's sliding-window group keeps once it ran."""
     """The prompt's block keys, added to the worker's prefix while the request runs."""
+    window_keys: list[int] = []
+    """Of ``keys``, those a hybrid model's sliding-window and mamba groups keep once it
+    ran (`kvbus.routing.in_flight.RequestsInFlight.assign`)."""
+    window_ends: list[int] = []
+    """Where, in blocks of the prompt, a hybrid model's sparse groups keep state once it
+    ran. vLLM's sparse retention (``prefix_cache_retention_interval`` 0, its default)
+    keeps a window (a mamba group: one state) ending on each boundary a later request
+    can resume at: the replay boundary, ``(prompt_tokens - 1) // block_size`` blocks
+    (a resent prompt recomputes its last token), and the junction where the full-
+    attention group held more than the others let it reuse (the shared prefix a sibling
+    will find). Empty: the prompt's last blocks."""
     number: int = -1
     request: int = 0
     """This router's number for the request, when it shares its routes (``share``)."""
@@ -216,7 +225,7 @@ class CostModel:
         eligible = np.flatnonzero(np.isfinite(load))
         if not len(eligible):
             return None
-        depth = self._depths(state, keys, len(load), prompt_tokens)
+        depth, full_depth = self._depths(state, keys, len(load), prompt_tokens)
         best_held = int(depth[eligible].max())
         home = stay[0] if stay is not None and stay[0] < len(load) else -1
         if home >= 0 and not np.isfinite(load[home]):
@@ -231,8 +240,9 @@ class CostModel:
                 number = int(self._rng.choice(eligible))
             held = int(depth[number])
             return self._decide(
-                state, number, keys, held, prompt_tokens, float(load[number]), best_held
-            )
+                state, number, keys, held, prompt_tokens, float(load[number]), best_held,
+                int(full_depth[number]),
+            )  # fmt: skip
         saved = self._weighted(state, depth, keys) if self.index.offloaded else depth
         w = self.weights
         new = len(keys) - depth
@@ -251,8 +261,9 @@ class CostModel:
             ties = np.flatnonzero(cost <= best + 1e-9)
             number = int(ties[0] if len(ties) == 1 else self._rng.choice(ties))
         decision = self._decide(
-            state, number, keys, int(depth[number]), prompt_tokens, best, best_held
-        )
+            state, number, keys, int(depth[number]), prompt_tokens, best, best_held,
+            int(full_depth[number]),
+        )  # fmt: skip
         decision.prefill_blocks = float(len(keys) - saved[number])
         decision.excess = float(excess[number])
         decision.pace = float(pace[number])
@@ -306,17 +317,23 @@ class CostModel:
 
     def _depths(
         self, state: FleetState, keys: list[int], size: int, prompt_tokens: int
-    ) -> npt.NDArray[np.float64]:
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Leading blocks of ``keys`` each worker holds or is about to (requests just
-        routed to it); for a hybrid model's worker, those its engine can reuse."""
+        routed to it); for a hybrid model's worker, those its engine can reuse. And
+        those its full-attention group alone holds (the same array for a fleet without
+        hybrid models)."""
         depth = np.zeros(size)
         groups = self.index.match_masks(keys, state.pending_masks)
+        full = depth
         if self.index.window_mask and self.index.block_size:
+            full = np.zeros(size)
+            for mask, blocks in groups:
+                full[self._numbers(mask)] = blocks
             most = (prompt_tokens - 1) // self.index.block_size
             groups = self.index.window_cut(groups, keys, most, state.window_pending_masks)
         for mask, blocks in groups:
             depth[self._numbers(mask)] = blocks  # shallowest first: deeper overwrite
-        return depth
+        return depth, full
 
     def _weighted(
         self, state: FleetState, depth: npt.NDArray[np.float64], keys: list[int]
@@ -355,12 +372,18 @@ class CostModel:
         prompt_tokens: int,
         cost: float,
         best_held: int,
+        full_blocks: int,
     ) -> Decision:
         block_size = self.index.block_size or 0
         matched = blocks * block_size
         # vLLM computes at least the last prompt token, so a fully cached prompt reports
         # its last block as computed (whole blocks only).
         cap = max((prompt_tokens - 1) // block_size * block_size if block_size else 0, 0)
+        ends: list[int] = []
+        if self.index.window_mask and block_size:
+            ends.append(cap // block_size)  # the replay boundary
+            if full_blocks > blocks:  # the junction: shared blocks it cannot reuse
+                ends.append(full_blocks)
         return Decision(
             worker=self.index.worker_name(number),
             policy=self.policy,
@@ -373,6 +396,7 @@ class CostModel:
             new_blocks=len(keys) - blocks,
             load=float(state.load[number]),
             keys=keys,
+            window_ends=ends,
             number=number,
             engine_load=number in state.from_engine,
         )

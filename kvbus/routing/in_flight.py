@@ -33,7 +33,9 @@ class Routed(Protocol):
     """The worker's number in the index."""
     keys: list[int]
     window_keys: list[int]
-    """Its prompt's last blocks a hybrid model's sliding-window group keeps (set here)."""
+    """Of its blocks, those a hybrid model's sparse groups keep (set here)."""
+    window_ends: list[int]
+    """Where those groups keep state, in blocks (`kvbus.routing.cost.Decision`)."""
     prefill_blocks: float
     new_blocks: int
     streaming: bool
@@ -121,7 +123,7 @@ class RequestsInFlight:
         _add(self.pending, self.pending_masks, number, request.keys)
         width = self.index.window_blocks(number)
         if width:
-            request.window_keys = request.keys[-width:]
+            request.window_keys = kept_tails(request.keys, request.window_ends, width)
             _add(self.window_pending, self.window_pending_masks, number, request.window_keys)
 
     def prefilled_elsewhere(self, request: Routed) -> None:
@@ -214,6 +216,20 @@ class RequestsInFlight:
                 self.window_pending, self.window_pending_masks, request.number, request.window_keys
             )
             request.window_keys = []
+
+
+def kept_tails(keys: list[int], ends: list[int], width: int) -> list[int]:
+    """Of a prompt's block ``keys``, the ``width`` blocks ending on each of ``ends``
+    (blocks into the prompt; none given: its end), as vLLM's sparse retention keeps
+    them in a hybrid model's sliding-window (mamba: ``width`` 1) groups. Ends out of
+    range (a peer's, read off the bus) are clamped: O(width) per end, at most two."""
+    if not ends:
+        return keys[-width:]
+    kept: dict[int, None] = {}
+    for end in ends[:2]:
+        end = min(max(end, 0), len(keys))
+        kept.update(dict.fromkeys(keys[max(end - width, 0) : end]))
+    return list(kept)
 
 
 def _add(

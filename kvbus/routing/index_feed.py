@@ -108,7 +108,7 @@ class _Feeding(_Windows):
             elif kind is BlockRemoved:
                 self._removed(worker, event)
             else:
-                self.clear(worker)  # AllBlocksCleared
+                self.clear(worker, same_model=True)  # AllBlocksCleared
         if self._deferred:
             self._apply_deferred()
         return True
@@ -120,15 +120,18 @@ class _Feeding(_Windows):
             elif isinstance(event, BlockRemoved):
                 self._removed(worker, event)
             elif isinstance(event, AllBlocksCleared):
-                self.clear(worker)
+                self.clear(worker, same_model=True)
         if self._deferred:
             self._apply_deferred()
 
-    def clear(self, worker: str) -> None:
-        """Forget everything ``worker`` held (it restarted, or its events were lost)."""
+    def clear(self, worker: str, same_model: bool = False) -> None:
+        """Forget everything ``worker`` held (it restarted, or its events were lost).
+        ``same_model``: its engine only emptied its cache (``AllBlocksCleared``), so
+        what was learned of its model's cache groups still holds: a request routed
+        before its next stores is still cut to what a hybrid model can reuse."""
         self.clears += 1
         if worker in self._numbers:
-            self._window_clear(worker, self._numbers[worker])
+            self._window_clear(worker, self._numbers[worker], same_model)
         state = self._workers.pop(worker, None)
         if state is None:
             return

@@ -84,12 +84,13 @@ class SparseGroup:
         self.sizes[width] = self.sizes.get(width, 0) | (1 << number)
         self.mask |= 1 << number
 
-    def clear(self, worker: str, number: int) -> None:
+    def clear(self, worker: str, number: int, keep_width: bool = False) -> None:
         state = self.workers.pop(worker, None)
         if state is not None:
             _kernels.clear_holder(self.masks, state.held, state.bit)
-        self._unsize(number, self.widths.pop(number, 0))
-        self.mask &= ~(1 << number)
+        if not keep_width:
+            self._unsize(number, self.widths.pop(number, 0))
+            self.mask &= ~(1 << number)
 
     def _unsize(self, number: int, width: int) -> None:
         if width:
@@ -213,14 +214,16 @@ class _Windows(_Holders):
         self.unknown_removals += unknown
         state.forget(last)
 
-    def _window_clear(self, worker: str, number: int) -> None:
-        """``worker`` (``number``) emptied its cache, or restarted (maybe as another
-        model): its sparse groups' blocks and what was learned of its groups go."""
+    def _window_clear(self, worker: str, number: int, same_model: bool = False) -> None:
+        """``worker`` (``number``) emptied its cache (``same_model``), or restarted
+        (maybe as another model): its sparse groups' blocks go, and but for an emptied
+        cache what was learned of its groups (their kinds, the windows hits need)."""
         if self._deferred:
             self._deferred = [d for d in self._deferred if d[0] != worker]
-        self._group_kinds.pop(worker, None)
+        if not same_model:
+            self._group_kinds.pop(worker, None)
         for group in self._sparse.values():
-            group.clear(worker, number)
+            group.clear(worker, number, keep_width=same_model)
 
     # --- matching ----------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ class PeerRequests:
             prefill_blocks=min(max(prefill, 0.0), float(blocks)),
             new_blocks=min(max(event.new_blocks, 0), blocks),
             keys=event.keys,
+            window_ends=event.window_ends[:2],
             number=number,
             request=event.request,
             peer=peer,

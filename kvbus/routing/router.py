@@ -272,6 +272,7 @@ class Router:
                     prefill_blocks=decision.prefill_blocks,
                     new_blocks=decision.new_blocks,
                     session=session,
+                    window_ends=decision.window_ends,
                 )
             )
         return decision

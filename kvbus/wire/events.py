@@ -465,6 +465,9 @@ class RouteEvent(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     session: int = 0
     """The request's session key (`kvbus.routing.sessions.session_key`; 0: none): the
     other replicas send the session's next requests where this one went."""
+    window_ends: list[int] = []
+    """For a hybrid model's worker: where its sparse groups keep state once the request
+    ran, in blocks (`kvbus.routing.cost.Decision.window_ends`; the first two count)."""
 
 
 _routes_decoder: Final = msgspec.msgpack.Decoder(RouteEvent)
