@@ -71,6 +71,7 @@ from vllm.distributed.kv_events import (
 import kvbus
 from kvbus import metrics
 from kvbus.bus.publisher_stats import PublisherStats
+from kvbus.bus.relay import RelayPublisher, can_relay
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.wire.events import SourceStopped, encode
@@ -350,20 +351,32 @@ class KvbusEventPublisher(EventPublisher):
             self.zmq = ZmqEventPublisher(data_parallel_rank, **zmq_options)
         source = source or engine_source(data_parallel_rank)
         self.handoff: Handoff | None = None
-        transport = None
-        directory = os.environ.get(metrics.METRICS_DIR_ENV)
-        if directory and url is None:  # the bus of KVBUS_URL, which the first process has
-            self.handoff = Handoff(Path(directory) / HANDOFF_DIR, source, resolve_stream(stream))
-            transport = _Recording(open_transport(resolve_url(None)), self.handoff)
-        self.publisher = kvbus.Publisher(
-            url,
-            stream=stream,
-            source=source,
-            data_parallel_rank=data_parallel_rank,
-            transport=transport,
-        )
-        if self.handoff is not None:
-            self.handoff.stats = self.publisher.stats
+        self.publisher: kvbus.Publisher | RelayPublisher
+        relay = os.environ.get("KVBUS_RELAY", "1").lower() not in ("0", "false", "no")
+        if url is None and relay and can_relay(resolve_url(None)):
+            # The engine's process pays an encode and a send per step; the transport's
+            # client runs in a relay process, which ends the epoch if this one is killed
+            # (so no Handoff is needed). kvbus sim passes its URL: in process, as before.
+            self.publisher = RelayPublisher(
+                stream=stream, source=source, data_parallel_rank=data_parallel_rank
+            )
+        else:
+            transport = None
+            directory = os.environ.get(metrics.METRICS_DIR_ENV)
+            if directory and url is None:  # the bus of KVBUS_URL, which the first process has
+                self.handoff = Handoff(
+                    Path(directory) / HANDOFF_DIR, source, resolve_stream(stream)
+                )
+                transport = _Recording(open_transport(resolve_url(None)), self.handoff)
+            self.publisher = kvbus.Publisher(
+                url,
+                stream=stream,
+                source=source,
+                data_parallel_rank=data_parallel_rank,
+                transport=transport,
+            )
+            if self.handoff is not None:
+                self.handoff.stats = self.publisher.stats
         report_bus_metrics()
         log.info(
             "kvbus: KV events of %s go to %s", self.publisher.source, redact_url(self.publisher.url)

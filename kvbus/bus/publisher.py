@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -40,6 +41,19 @@ from kvbus.wire.envelope import Kind
 from kvbus.wire.events import SourceStarted, SourceStopped
 
 log = logging.getLogger("kvbus.bus.publisher")
+
+
+class Relayed(msgspec.Struct, frozen=True):
+    """A `Publisher` that relays another process's epoch (`kvbus.bus.relay`): messages
+    come through `Publisher.forward` under that process's seqs, and ``after`` of them
+    were sent before (by a relay that died); the sender's first gap marker announces
+    what that one lost. ``on_sent`` is told, after each append, the newest seq sent and
+    how many messages went."""
+
+    epoch: int
+    after: int = 0
+    on_sent: Callable[[int, int], object] | None = None
+
 
 DEFAULT_MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MAX_QUEUE_BYTES: Final = 64 * 1024 * 1024
@@ -93,11 +107,13 @@ class Publisher:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         data_parallel_rank: int | None = None,
         transport: Transport | None = None,
+        relayed: Relayed | None = None,
     ) -> None:
         self.url = resolve_url(url)
         self.stream = resolve_stream(stream)
         self.source = resolve_source(source)
-        self.epoch = time.time_ns()
+        self.epoch = relayed.epoch if relayed is not None else time.time_ns()
+        self._relayed = relayed
         self.stats = PublisherStats()
         self.append_latency = instruments.LatencyHistogram()
         """Seconds from an append's first try to the transport's acknowledgement."""
@@ -121,7 +137,11 @@ class Publisher:
             source=self.source,
             epoch=self.epoch,
             max_message_bytes=max_message_bytes,
+            start_after=relayed.after if relayed is not None else 0,
+            on_sent=relayed.on_sent if relayed is not None else None,
         )
+        if relayed is not None:
+            self._queue.resume(relayed.after)
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"kvbus-publisher-{self.stream}", daemon=True
         )
@@ -130,6 +150,8 @@ class Publisher:
         self._running = asyncio.run_coroutine_threadsafe(self._sender.run(), self._loop)
         instruments.track_publisher(self)
         _open_publishers.add(self)
+        if relayed is not None:
+            return  # the epoch's SourceStarted is the relayed process's
         self.publish(
             SourceStarted(
                 host=socket.gethostname(),
@@ -152,6 +174,16 @@ class Publisher:
         queue = self._queue
         with queue.lock:
             accepted = queue.enqueue(payload, kind, size)
+        if queue.idle:
+            queue.wake()
+        return accepted
+
+    def forward(self, seq: int, kind: Kind, payload: bytes, ts: float) -> bool:
+        """Queue another process's message under its own ``seq`` of this epoch (a relay:
+        see ``relayed``); False if it is dropped, or older than a seq already taken."""
+        queue = self._queue
+        with queue.lock:
+            accepted = queue.enqueue(payload, kind, len(payload), seq, ts)
         if queue.idle:
             queue.wake()
         return accepted
@@ -197,9 +229,10 @@ class Publisher:
     async def aflush(self, timeout: float = 10.0) -> bool:
         return await asyncio.to_thread(self.flush, timeout)
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, stopped: bool = False) -> None:
         """Publish ``SourceStopped``, send what is queued (up to ``timeout`` seconds),
-        close the transport and stop the sender thread. Idempotent.
+        close the transport and stop the sender thread. Idempotent. ``stopped``: the
+        epoch already ended (a relay forwarded its process's ``SourceStopped``).
 
         Ends within about ``timeout`` + 2 s whatever the backend does (a server down or
         stopped, a client that swallows a cancel): what is still unsent after
@@ -209,8 +242,9 @@ class Publisher:
         with queue.lock:
             if queue.closed:
                 return
-            # The last message of the epoch: nothing is accepted after it.
-            queue.enqueue(SourceStopped(dropped=self.stats.dropped), Kind.CONTROL, STRUCT_BYTES)
+            if not stopped:  # the last message of the epoch: nothing is accepted after it
+                stop = SourceStopped(dropped=self.stats.dropped)
+                queue.enqueue(stop, Kind.CONTROL, STRUCT_BYTES)
             queue.closed = True
         queue.wake()
         try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import itertools
 import logging
 import os
 import threading
@@ -115,7 +114,7 @@ class SendQueue:
         # the sender thread), so neither needs a lock.
         self._bytes_in = 0
         self._bytes_out = 0
-        self._seqs = itertools.count(1)
+        self._next_seq = 1
         self._queue: deque[Queued] = deque()
         self.closed = False
         self.forked = False
@@ -133,11 +132,26 @@ class SendQueue:
 
     # --- the publishing side: never blocks ------------------------------------------
 
-    def enqueue(self, payload: bytes | msgspec.Struct, kind: Kind, size: int) -> bool:
+    def enqueue(
+        self,
+        payload: bytes | msgspec.Struct,
+        kind: Kind,
+        size: int,
+        seq: int = 0,
+        ts: float = 0.0,
+    ) -> bool:
         """Called under ``lock``: a seq is taken, counted and queued (or dropped) as
         one step, so that a close cannot slip in between the check and the append (the
         message would be accepted after the sender's last look at the queue), and
-        counters written from several threads keep every increment."""
+        counters written from several threads keep every increment.
+
+        ``seq`` (a relay forwarding another process's messages, `resume`): the message's
+        own, which must be past every seq taken so far (an older one is refused); the
+        seqs it skips are announced as lost by the sender's gap marker."""
+        if seq:
+            if seq < self._next_seq:
+                return False
+            self._next_seq = seq
         if self.closed:  # the epoch ended with SourceStopped: no seq, no LossNotice
             self.stats.dropped += 1
             if self.forked:
@@ -149,7 +163,7 @@ class SendQueue:
                     self._stream,
                 )
             return False
-        seq = next(self._seqs)
+        seq = self._take_seq()
         if (
             len(self._queue) >= self._max_queue
             or self._bytes_in + size - self._bytes_out > self._max_queue_bytes
@@ -158,14 +172,23 @@ class SendQueue:
             self.last_dropped = seq
             return False
         self._bytes_in += size
-        self._queue.append((seq, kind, payload, time.time()))
+        self._queue.append((seq, kind, payload, ts or time.time()))
         self.stats.published += 1
         return True
+
+    def _take_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def resume(self, after: int) -> None:
+        """Seqs go on after ``after`` (a relay taking over another's place in an epoch)."""
+        self._next_seq = max(self._next_seq, after + 1)
 
     def announce_loss(self, count: int) -> None:
         """``count`` messages lost upstream, under one seq."""
         with self.lock:
-            self.last_dropped = next(self._seqs)
+            self.last_dropped = self._take_seq()
             self.stats.dropped += max(1, count)
         if self.idle:
             self.wake()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -46,6 +47,8 @@ class Sender:
         source: str,
         epoch: int,
         max_message_bytes: int,
+        start_after: int = 0,
+        on_sent: Callable[[int, int], object] | None = None,
     ) -> None:
         self._queue = queue
         self._transport = transport
@@ -56,6 +59,11 @@ class Sender:
         self._source = source
         self._epoch = epoch
         self._max_message_bytes = max_message_bytes
+        self._start_after = start_after
+        """The epoch's seqs up to here were sent by another (a relay taking over)."""
+        self._on_sent = on_sent
+        """Told the newest seq the transport took and how many messages it took, after
+        each append."""
         self.settled = 0
         self._sending: asyncio.Task[None] | None = None
 
@@ -74,7 +82,7 @@ class Sender:
 
     async def _send_forever(self) -> None:
         queue = self._queue
-        last_sent = 0
+        last_sent = self._start_after
         while True:
             batch = queue.take_batch()
             if not batch and queue.last_dropped > last_sent:
@@ -115,6 +123,8 @@ class Sender:
                 last_sent = seq
             if records:
                 await self._append(records)
+                if self._on_sent is not None:
+                    self._on_sent(last_sent, len(records))
 
     def _drop_taken(self, seq: int, what: str) -> None:
         """Drop a message the sender took from the queue; the next one sent carries
