@@ -211,14 +211,16 @@ class RelayPublisher:
             assert relay is not None
         ts = time.time()
         try:
+            # sendmsg gathers header and payload into one datagram: no copy of the
+            # payload on the engine's thread.
             if len(data) <= PART_BYTES:
-                relay.send(HEADER.pack(seq, kind, flags, ts) + data)
+                relay.sendmsg((HEADER.pack(seq, kind, flags, ts), data))
             else:
                 view = memoryview(data)
                 for at in range(0, len(data), PART_BYTES):
                     more = MORE if at + PART_BYTES < len(data) else 0
                     part = view[at : at + PART_BYTES]
-                    relay.send(HEADER.pack(seq, kind, flags | more, ts) + part)
+                    relay.sendmsg((HEADER.pack(seq, kind, flags | more, ts), part))
             self._handed += 1
             self._handed_seq = seq
             return True

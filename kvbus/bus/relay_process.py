@@ -52,12 +52,7 @@ class Reassembly:
         return whole
 
 
-def relay(
-    channel: socket.socket,
-    progress: mmap.mmap,
-    publisher: Publisher,
-    max_message_bytes: int,
-) -> bool:
+def relay(channel: socket.socket, publisher: Publisher, max_message_bytes: int) -> bool:
     """Forward frames until the epoch ends (True) or the engine's end closes (False)."""
     parts = Reassembly(max_message_bytes)
     while True:
@@ -106,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     relayed = Relayed(epoch=args.epoch, after=args.after, on_sent=sent)
     publisher = Publisher(stream=args.stream, source=args.source, relayed=relayed,
                           max_message_bytes=args.max_message_bytes)  # fmt: skip
-    ended = relay(channel, progress, publisher, args.max_message_bytes)
+    ended = relay(channel, publisher, args.max_message_bytes)
     publisher.close(stopped=ended)
     return 0
 
