@@ -78,6 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 import kvbus
+from kvbus.bus.relay import RelayPublisher
 from kvbus.routing.transfers import TransferTracker
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class KvbusConnector(KVConnectorBase_V1):
         return self.records.max_stats_bytes
 
     @property
-    def publisher(self) -> kvbus.Publisher | None:
+    def publisher(self) -> kvbus.Publisher | RelayPublisher | None:
         return self.records.publisher
 
     # --- properties ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from kvbus.connectors.vllm_events import engine_source, report_bus_metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 import kvbus
+from kvbus.bus.relay import RelayPublisher, engine_publisher
 from kvbus.logs import LimitedLog
 from kvbus.routing.transfers import Outcome, outcomes
 from kvbus.wire.envelope import Kind
@@ -44,7 +45,7 @@ class StepRecords:
         self._url = extra.get("url")
         self._stream = str(extra.get("stream", "connector"))
         self._rank = rank
-        self._publisher: kvbus.Publisher | None = None
+        self._publisher: kvbus.Publisher | RelayPublisher | None = None
         self._publisher_lock = threading.Lock()
         self._publishing = True
         self._worker_stats: bytes | None = None
@@ -125,14 +126,14 @@ class StepRecords:
             self.faults.contain("publish", error)
             self._url, self._publishing = None, False
 
-    def _ensure_publisher(self) -> kvbus.Publisher | None:
+    def _ensure_publisher(self) -> kvbus.Publisher | RelayPublisher | None:
         """Opened on the first record (a pass-through never opens one)."""
         if self._publisher is None:
             if not self._publishing or not (self._url or os.environ.get("KVBUS_URL")):
                 return None
             with self._publisher_lock:
                 if self._publisher is None:
-                    self._publisher = kvbus.Publisher(
+                    self._publisher = engine_publisher(
                         self._url,
                         stream=self._stream,
                         source=engine_source(self._rank),
@@ -142,7 +143,7 @@ class StepRecords:
         return self._publisher
 
     @property
-    def publisher(self) -> kvbus.Publisher | None:
+    def publisher(self) -> kvbus.Publisher | RelayPublisher | None:
         return self._publisher
 
     def close(self) -> None:

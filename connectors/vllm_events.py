@@ -71,7 +71,7 @@ from vllm.distributed.kv_events import (
 import kvbus
 from kvbus import metrics
 from kvbus.bus.publisher_stats import PublisherStats
-from kvbus.bus.relay import RelayPublisher, can_relay
+from kvbus.bus.relay import RelayPublisher, relay_wanted
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.wire.events import SourceStopped, encode
@@ -352,8 +352,7 @@ class KvbusEventPublisher(EventPublisher):
         source = source or engine_source(data_parallel_rank)
         self.handoff: Handoff | None = None
         self.publisher: kvbus.Publisher | RelayPublisher
-        relay = os.environ.get("KVBUS_RELAY", "1").lower() not in ("0", "false", "no")
-        if url is None and relay and can_relay(resolve_url(None)):
+        if relay_wanted(url):
             # The engine's process pays an encode and a send per step; the transport's
             # client runs in a relay process, which ends the epoch if this one is killed
             # (so no Handoff is needed). kvbus sim passes its URL: in process, as before.

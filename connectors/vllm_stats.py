@@ -29,6 +29,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 import kvbus
 from kvbus import metrics
+from kvbus.bus.relay import RelayPublisher, engine_publisher
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import LoadMetrics
 
@@ -96,10 +97,10 @@ class KvbusStatLogger(StatLoggerBase):
         self.vllm_config = vllm_config
         self.interval = float(os.environ.get("KVBUS_METRICS_INTERVAL", "0.25"))
         self.heartbeat = float(os.environ.get("KVBUS_METRICS_HEARTBEAT", "2"))
-        self.publisher: kvbus.Publisher | None = None
+        self.publisher: kvbus.Publisher | RelayPublisher | None = None
         if not (url or os.environ.get("KVBUS_URL")):
             return
-        self.publisher = kvbus.Publisher(
+        self.publisher = engine_publisher(
             url,
             stream=os.environ.get("KVBUS_METRICS_STREAM", "metrics"),
             source=source or engine_source(engine_index),

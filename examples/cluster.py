@@ -207,6 +207,9 @@ class Server:
     """A server process that can be killed (SIGKILL) and restarted on the same port."""
 
     name = ""
+    own_group = False
+    """Run in a process group of its own, which `stop` ends whole: for servers whose
+    children can outlive them (vLLM's engine core when its front end exits first)."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -223,7 +226,12 @@ class Server:
     def launch(self, env: dict[str, str] | None = None) -> None:
         log = open(self.data_dir / f"{self.name}.log", "ab")
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir, env=env
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
+            env=env,
+            start_new_session=self.own_group,
         )
         log.close()
 
@@ -243,6 +251,22 @@ class Server:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
+        if self.own_group and self.process is not None:
+            self._end_group(self.process.pid)
+
+    @staticmethod
+    def _end_group(group: int, grace: float = 10.0) -> None:
+        """Give what is left of the group ``grace`` seconds to end on its own (a relay
+        ends its epoch when its engine is gone), then SIGKILL it."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
 
     def wait(self, ready: Callable[[], object], timeout: float, interval: float = 0.2) -> None:
         """`wait_until` this server's process, its log's tail in the error."""
@@ -347,6 +371,7 @@ class VllmServer(Server, EngineHttp):
         extra_args: list[str] | None = None,
     ) -> None:
         super().__init__(data_dir)
+        self.own_group = True
         self.name = f"vllm-{source}"
         self.model = model
         self.source = source

@@ -213,6 +213,60 @@ async def test_an_engine_killed_on_shutdown_has_its_epoch_ended(
     assert len(pending) == (1 if ending == "killed" and relay == "no-relay" else 0)
 
 
+STAT_LOGGER_AND_CONNECTOR_THEN_DIE = textwrap.dedent(
+    """
+    import os, signal
+    from vllm.config import VllmConfig
+    from vllm.v1.metrics.stats import SchedulerStats
+    from kvbus.connectors.vllm_connector_parts import Faults
+    from kvbus.connectors.vllm_connector_records import StepRecords
+    from kvbus.connectors.vllm_stats import KvbusStatLogger
+    from kvbus.wire.events import BlockDigest
+    logger = KvbusStatLogger(VllmConfig())
+    logger.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1), None)
+    records = StepRecords({}, 0, Faults("inner"))
+    records.digests = [BlockDigest("r", "save", 0, 0, b"d")]
+    records.publish_step(1, [])
+    for publisher in (logger.publisher, records.publisher):
+        assert type(publisher).__name__ == "RelayPublisher", publisher
+        assert publisher.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+async def test_the_stat_logger_and_connector_records_of_a_killed_process_end_their_epochs(
+    redis_server: RedisServer,
+) -> None:
+    """vLLM's front end (the stat logger's process) and its engine core (the connector's
+    records) publish through relays on a networked bus, as the KV events do: a process
+    killed with SIGKILL has each epoch ended by its relay, after what it sent."""
+    env = os.environ | {
+        "KVBUS_URL": redis_server.url,
+        "KVBUS_SOURCE": "killed-front",
+        "KVBUS_METRICS_STREAM": "killed-metrics",
+    }
+    env.pop("KVBUS_RELAY", None)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", STAT_LOGGER_AND_CONNECTOR_THEN_DIE, env=env
+    )
+    assert await asyncio.wait_for(process.wait(), 120) == -signal.SIGKILL
+    expected = {"killed-metrics": "LoadMetrics", "connector": "ConnectorBatch"}
+    for stream, body in expected.items():
+        deadline = time.monotonic() + 30
+        while True:  # the relay sends it as it sees its process gone
+            items = await last_items(redis_server.url, stream, "killed-front/dp0")
+            last = items[-1] if items else None
+            ended = isinstance(last, Message) and isinstance(last.body, SourceStopped)
+            if ended or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert not any(isinstance(i, Resync) for i in items), (stream, items)
+        names = [type(i.body).__name__ for i in items if isinstance(i, Message)]
+        assert names[0] == "SourceStarted" and names[-1] == "SourceStopped", (stream, names)
+        assert body in names, (stream, names)
+
+
 @pytest.fixture
 def stopped_server(tmp_path: Path, redis_server: RedisServer) -> Iterator[VllmServer]:
     make_model(tmp_path)

@@ -18,6 +18,7 @@ from kvbus.transports.memory import MemoryTransport
 
 import kvbus
 from kvbus import BlockStored, KVEventBatch, LossNotice, Message, Resync, ResyncReason
+from kvbus.wire.envelope import Envelope, decode_envelope
 from kvbus.wire.events import encode
 
 from .conftest import collect, kv_payload, lost_seqs
@@ -93,6 +94,54 @@ def test_publish_from_many_threads_keeps_unique_seqs(memory_url: str) -> None:
     publisher.close()
     items, _ = asyncio.run(collect(memory_url))
     assert [i.seq for i in items if isinstance(i, Message)] == list(range(1, 8003))
+
+
+def test_on_memory_publish_stores_each_message_itself_in_seq_order(memory_url: str) -> None:
+    """On memory:// publish() appends on the caller's thread (`Transport.inline_append`):
+    each message is in the stream when publish() returns, without waiting for a flush,
+    and threads publishing at once leave the stream in seq order. A memory:// subclass
+    that overrides ``append`` is appended to through it, by the sender thread."""
+
+    def stored() -> list[Envelope]:
+        async def read() -> list[bytes]:
+            return [e.data async for e in MemoryTransport(memory_url).read("kv")]
+
+        return [decode_envelope(data) for data in asyncio.run(read())]
+
+    publisher = kvbus.Publisher(memory_url, source="engine", max_queue=100_000)
+    for i in range(100):
+        assert publisher.publish(kv_payload(i))
+        assert len(stored()) == i + 2  # SourceStarted, then this one
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over inside publish() as often as it can
+
+    def burst() -> None:
+        for i in range(2_000):
+            publisher.publish(kv_payload(i))
+
+    try:
+        threads = [threading.Thread(target=burst) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert publisher.queue_messages == 0  # nothing was left for the sender thread
+    publisher.close()
+    envelopes = stored()
+    assert [e.seq for e in envelopes] == list(range(1, 8103))  # the stream's own order
+    assert all(e.lost_from == 0 for e in envelopes)
+    assert publisher.stats.sent == 8102 and publisher.stats.dropped == 0
+
+    stalled_url = f"{memory_url}-stalled"
+    overridden = StalledTransport(stalled_url, "stalled")
+    assert overridden.inline_append is None
+    with kvbus.Publisher(stalled_url, source="e", transport=overridden) as stalled:
+        assert stalled.publish(kv_payload(0))
+        assert not overridden.released.is_set()  # publish() did not wait for the append
+        overridden.released.set()
+        assert stalled.flush(5)
 
 
 def test_close_flushes_and_publish_after_close_is_dropped(memory_url: str) -> None:

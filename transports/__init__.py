@@ -108,6 +108,14 @@ class Transport(abc.ABC):
         per page instead of one per entry. By default each list holds one entry."""
         return _one_per_page(self.read(stream, after, follow=follow))
 
+    @property
+    def inline_append(self) -> Callable[[str, Sequence[Record]], None] | None:
+        """An append a publisher may call on its own thread instead of awaiting
+        `append`, for a backend whose append neither waits on I/O nor fails (an
+        in-process log): the engine's thread then stores each message itself, and no
+        sender thread is woken for it. None (the default) for backends that do I/O."""
+        return None
+
     async def position_at(self, stream: str, wall_time: float) -> Position | None:
         """A position ``read`` can start after to yield every entry appended at or
         after ``wall_time`` (seconds since the epoch; a few earlier ones may come too),

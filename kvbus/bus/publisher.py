@@ -8,6 +8,10 @@ down. When the queue is full the message is dropped and counted; its seq is stil
 used, so the next message sent carries ``lost_from`` and every consumer learns exactly
 which seqs will never arrive.
 
+On an in-process bus (memory://, whose append neither waits nor fails) ``publish()``
+sends each message itself instead, on the caller's thread: the same envelopes, gap
+markers and order, without waking the thread (`Transport.inline_append`).
+
 The queue between the two threads is `kvbus.bus.publisher_queue`; the sender thread's work,
 `kvbus.bus.publisher_sender`; this module holds what callers see.
 """
@@ -142,6 +146,10 @@ class Publisher:
         )
         if relayed is not None:
             self._queue.resume(relayed.after)
+        self._inline = self._transport.inline_append is not None
+        """On an in-process bus (memory://), ``publish()`` stores each message itself
+        (`Sender.send_inline`): waking the sender thread for it would cost the engine's
+        process more than the append (``bench/bench_engine_cost.py``)."""
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"kvbus-publisher-{self.stream}", daemon=True
         )
@@ -174,8 +182,7 @@ class Publisher:
         queue = self._queue
         with queue.lock:
             accepted = queue.enqueue(payload, kind, size)
-        if queue.idle:
-            queue.wake()
+        self._hand_over(accepted)
         return accepted
 
     def forward(self, seq: int, kind: Kind, payload: bytes, ts: float) -> bool:
@@ -184,9 +191,15 @@ class Publisher:
         queue = self._queue
         with queue.lock:
             accepted = queue.enqueue(payload, kind, len(payload), seq, ts)
-        if queue.idle:
-            queue.wake()
+        self._hand_over(accepted)
         return accepted
+
+    def _hand_over(self, accepted: bool) -> None:
+        if self._inline:
+            if accepted:  # an in-process bus: stored here, no thread woken
+                self._sender.send_inline()
+        elif self._queue.idle:
+            self._queue.wake()
 
     def announce_loss(self, count: int = 1) -> None:
         """Declare ``count`` messages lost upstream (a bridge whose source skipped

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, decode_envelope,
 from kvbus.wire.events import LossNotice, encode
 
 if TYPE_CHECKING:
-    from kvbus.bus.publisher_queue import SendQueue
+    from kvbus.bus.publisher_queue import Queued, SendQueue
     from kvbus.bus.publisher_stats import PublisherStats
 
 log = logging.getLogger("kvbus.bus.publisher")
@@ -59,8 +60,11 @@ class Sender:
         self._source = source
         self._epoch = epoch
         self._max_message_bytes = max_message_bytes
-        self._start_after = start_after
-        """The epoch's seqs up to here were sent by another (a relay taking over)."""
+        self.last_sent = start_after
+        """The newest seq sent; at first, the epoch's seqs up to here were sent by
+        another (a relay taking over)."""
+        self._inline_append = transport.inline_append
+        self._inline_lock = threading.Lock()
         self._on_sent = on_sent
         """Told the newest seq the transport took and how many messages it took, after
         each append."""
@@ -80,51 +84,74 @@ class Sender:
             sending.cancel()
             await asyncio.wait([sending], timeout=CLOSE_WITHIN)
 
+    def send_inline(self) -> None:
+        """Send everything queued, on the caller's thread, through the transport's
+        `Transport.inline_append` (``publish()`` calls it right after it queued a
+        message, so no sender thread is woken). The lock keeps concurrent callers'
+        batches, and the thread's (it sends what `close` queues), in queue order."""
+        append = self._inline_append
+        assert append is not None
+        with self._inline_lock:
+            while batch := self._next_batch():
+                if records := self._records(batch):
+                    started = time.perf_counter()
+                    append(self._stream, records)
+                    self._sent(records, started)
+
     async def _send_forever(self) -> None:
         queue = self._queue
-        last_sent = self._start_after
         while True:
-            batch = queue.take_batch()
-            if not batch and queue.last_dropped > last_sent:
-                # Nothing queued behind the newest drops: announce them now, under the
-                # last dropped seq (which nothing else can use, so no race with publish()).
-                notice = LossNotice(dropped=self.stats.dropped)
-                batch = [(queue.last_dropped, Kind.CONTROL, notice, time.time())]
-                self.settled -= 1  # sending it settles nothing publish() accepted
-            if not batch:
-                if not await queue.wait(last_sent):
-                    return
+            if self._inline_append is not None:
+                self.send_inline()
+            elif batch := self._next_batch():
+                if records := self._records(batch):
+                    await self._append(records)
                 continue
-            records = []
-            for seq, kind, payload, ts in batch:
-                try:
-                    envelope = Envelope(
-                        SCHEMA_VERSION,
-                        kind,
-                        self._source,
-                        self._epoch,
-                        seq,
-                        ts,
-                        payload if isinstance(payload, bytes) else encode(payload),
-                        lost_from=0 if seq == last_sent + 1 else last_sent + 1,
-                    )
-                    data = encode_envelope(envelope)
-                except (TypeError, ValueError) as error:  # a payload msgspec cannot encode
-                    self._drop_taken(seq, f"unencodable message {seq}: {error}")
-                    continue
-                if len(data) > self._max_message_bytes:
-                    self._drop_taken(
-                        seq,
-                        f"message {envelope.msg_id} of {len(data)} bytes "
-                        f"(max_message_bytes={self._max_message_bytes})",
-                    )
-                    continue
-                records.append(Record(self._source, envelope.msg_id, data))
-                last_sent = seq
-            if records:
-                await self._append(records)
-                if self._on_sent is not None:
-                    self._on_sent(last_sent, len(records))
+            if not await queue.wait(self.last_sent):
+                return
+
+    def _next_batch(self) -> list[Queued]:
+        """What to send next: queued messages, or, with none queued behind the newest
+        drops, a notice that announces them (under the last dropped seq, which nothing
+        else can use, so no race with publish())."""
+        queue = self._queue
+        batch = queue.take_batch()
+        if not batch and queue.last_dropped > self.last_sent:
+            notice = LossNotice(dropped=self.stats.dropped)
+            batch = [(queue.last_dropped, Kind.CONTROL, notice, time.time())]
+            self.settled -= 1  # sending it settles nothing publish() accepted
+        return batch
+
+    def _records(self, batch: list[Queued]) -> list[Record]:
+        """``batch`` in envelopes, each with its gap marker; a message that cannot be
+        encoded, or is too large, is dropped (the next one's marker announces it)."""
+        records = []
+        for seq, kind, payload, ts in batch:
+            try:
+                envelope = Envelope(
+                    SCHEMA_VERSION,
+                    kind,
+                    self._source,
+                    self._epoch,
+                    seq,
+                    ts,
+                    payload if isinstance(payload, bytes) else encode(payload),
+                    lost_from=0 if seq == self.last_sent + 1 else self.last_sent + 1,
+                )
+                data = encode_envelope(envelope)
+            except (TypeError, ValueError) as error:  # a payload msgspec cannot encode
+                self._drop_taken(seq, f"unencodable message {seq}: {error}")
+                continue
+            if len(data) > self._max_message_bytes:
+                self._drop_taken(
+                    seq,
+                    f"message {envelope.msg_id} of {len(data)} bytes "
+                    f"(max_message_bytes={self._max_message_bytes})",
+                )
+                continue
+            records.append(Record(self._source, envelope.msg_id, data))
+            self.last_sent = seq
+        return records
 
     def _drop_taken(self, seq: int, what: str) -> None:
         """Drop a message the sender took from the queue; the next one sent carries
@@ -139,9 +166,14 @@ class Sender:
             await self._append_all(records)
         except Exception as error:
             await self._append_retrying(records, error)
+        self._sent(records, started)
+
+    def _sent(self, records: list[Record], started: float) -> None:
         self._latency.observe(time.perf_counter() - started)
         self.stats.sent += len(records)
         self.settled += len(records)
+        if self._on_sent is not None:
+            self._on_sent(self.last_sent, len(records))
 
     async def _append_retrying(self, records: list[Record], error: Exception) -> None:
         """After the first attempt failed with ``error``: retry until the transport

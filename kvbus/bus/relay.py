@@ -30,6 +30,7 @@ Memory is bounded: the socket's buffer, then the relay's own `Publisher` queue.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -50,7 +51,7 @@ import msgspec
 
 from kvbus._version import __version__
 from kvbus.bus import instruments
-from kvbus.bus.publisher import DEFAULT_MAX_MESSAGE_BYTES
+from kvbus.bus.publisher import DEFAULT_MAX_MESSAGE_BYTES, Publisher
 from kvbus.bus.publisher_stats import PublisherStats
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.wire.envelope import Kind
@@ -113,6 +114,31 @@ def can_relay(url: str) -> bool:
     """Whether messages to ``url`` can go through a relay here (a networked transport,
     on Linux: memfd and SEQPACKET sockets)."""
     return urlsplit(url).scheme in RELAYED_SCHEMES and hasattr(os, "memfd_create")
+
+
+def relay_wanted(url: str | None) -> bool:
+    """Whether an engine's publisher for ``url`` goes through a relay: ``url`` is None
+    (the bus of ``KVBUS_URL``, as vLLM's plugin, stat logger and connector open it),
+    ``KVBUS_RELAY`` is not ``0``, and that bus can be relayed (`can_relay`). A caller
+    that passes its own URL (`kvbus sim`: many engines in one process) publishes in
+    process."""
+    relay = os.environ.get("KVBUS_RELAY", "1").strip().lower() not in ("0", "false", "no")
+    return url is None and relay and can_relay(resolve_url(None))
+
+
+def engine_publisher(
+    url: str | None = None,
+    *,
+    stream: str | None = None,
+    source: str | None = None,
+    data_parallel_rank: int | None = None,
+) -> RelayPublisher | Publisher:
+    """The publisher a vLLM process's kvbus component (the stat logger, the KV
+    connector's records) opens: a `RelayPublisher` where `relay_wanted`, so the
+    transport's client runs outside that process; otherwise a `Publisher`."""
+    if relay_wanted(url):
+        return RelayPublisher(stream=stream, source=source, data_parallel_rank=data_parallel_rank)
+    return Publisher(url, stream=stream, source=source, data_parallel_rank=data_parallel_rank)
 
 
 class RelayPublisher:
@@ -345,6 +371,9 @@ class RelayPublisher:
             time.sleep(0.001)
         return False
 
+    async def aflush(self, timeout: float = 10.0) -> bool:
+        return await asyncio.to_thread(self.flush, timeout)
+
     def close(self, timeout: float = 10.0) -> None:
         """End the epoch (``SourceStopped``) and wait up to ``timeout`` seconds for the
         relay to send what it holds and exit. Idempotent."""
@@ -370,6 +399,10 @@ class RelayPublisher:
         _ = self.stats  # its last ``sent``
         self._progress.close()
         os.close(self._progress_fd)
+
+    async def aclose(self, timeout: float = 10.0) -> None:
+        """`close` without blocking the event loop."""
+        await asyncio.to_thread(self.close, timeout)
 
     def __enter__(self) -> RelayPublisher:
         return self
