@@ -144,6 +144,30 @@ def test_on_memory_publish_stores_each_message_itself_in_seq_order(memory_url: s
         assert stalled.flush(5)
 
 
+def test_on_memory_a_reader_whose_loop_closed_costs_publish_nothing(memory_url: str) -> None:
+    """A memory:// reader left waiting when its event loop closed (a subscriber dropped
+    without aclose) has no loop to wake: publish(), which appends on its caller's thread
+    there, still returns and stores the message."""
+    transport = MemoryTransport(memory_url)
+
+    async def wait_forever() -> None:
+        async for _ in transport.read("kv", follow=True):
+            pass
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(wait_forever())
+    loop.run_until_complete(asyncio.sleep(0.05))  # the read now waits for an append
+    loop.close()  # without cancelling it, as a dropped subscriber's loop ends
+    with kvbus.Publisher(memory_url, source="engine") as publisher:
+        assert publisher.publish(kv_payload(0))
+        assert publisher.stats.dropped == 0
+    assert not task.done()
+    items, _ = asyncio.run(collect(memory_url))
+    assert [type(i.body).__name__ for i in items if isinstance(i, Message)] == [
+        "SourceStarted", "KVEventBatch", "SourceStopped"
+    ]  # fmt: skip
+
+
 def test_close_flushes_and_publish_after_close_is_dropped(memory_url: str) -> None:
     publisher = kvbus.Publisher(memory_url, source="engine")
     for i in range(1000):

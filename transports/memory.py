@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import itertools
 import threading
 import time
@@ -49,7 +50,10 @@ class _Stream:
                 self.times.append(now)
             waiters, self.waiters = self.waiters, []
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_wake, future)
+            # A reader whose loop has closed needs no wake-up; the error must not reach
+            # the appender (a publisher's caller, on memory://: see `inline_append`).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, future)
 
     def after(self, position: int) -> list[Entry]:
         """Retained entries after ``position`` (all retained ones if it was trimmed)."""
