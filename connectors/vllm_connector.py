@@ -77,8 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-import kvbus
-from kvbus.bus.relay import RelayPublisher
+from kvbus.bus.relay import EnginePublisher
 from kvbus.routing.transfers import TransferTracker
 
 if TYPE_CHECKING:
@@ -176,7 +175,7 @@ class KvbusConnector(KVConnectorBase_V1):
         return self.records.max_stats_bytes
 
     @property
-    def publisher(self) -> kvbus.Publisher | RelayPublisher | None:
+    def publisher(self) -> EnginePublisher | None:
         return self.records.publisher
 
     # --- properties ----------------------------------------------------------------------

@@ -21,8 +21,7 @@ from kvbus.connectors.vllm_connector_parts import MAX_OUTCOMES, Faults
 from kvbus.connectors.vllm_events import engine_source, report_bus_metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-import kvbus
-from kvbus.bus.relay import RelayPublisher, engine_publisher
+from kvbus.bus.relay import EnginePublisher, engine_publisher
 from kvbus.logs import LimitedLog
 from kvbus.routing.transfers import Outcome, outcomes
 from kvbus.wire.envelope import Kind
@@ -45,7 +44,7 @@ class StepRecords:
         self._url = extra.get("url")
         self._stream = str(extra.get("stream", "connector"))
         self._rank = rank
-        self._publisher: kvbus.Publisher | RelayPublisher | None = None
+        self._publisher: EnginePublisher | None = None
         self._publisher_lock = threading.Lock()
         self._publishing = True
         self._worker_stats: bytes | None = None
@@ -126,7 +125,7 @@ class StepRecords:
             self.faults.contain("publish", error)
             self._url, self._publishing = None, False
 
-    def _ensure_publisher(self) -> kvbus.Publisher | RelayPublisher | None:
+    def _ensure_publisher(self) -> EnginePublisher | None:
         """Opened on the first record (a pass-through never opens one)."""
         if self._publisher is None:
             if not self._publishing or not (self._url or os.environ.get("KVBUS_URL")):
@@ -143,7 +142,7 @@ class StepRecords:
         return self._publisher
 
     @property
-    def publisher(self) -> kvbus.Publisher | RelayPublisher | None:
+    def publisher(self) -> EnginePublisher | None:
         return self._publisher
 
     def close(self) -> None:

@@ -71,7 +71,7 @@ from vllm.distributed.kv_events import (
 import kvbus
 from kvbus import metrics
 from kvbus.bus.publisher_stats import PublisherStats
-from kvbus.bus.relay import RelayPublisher, relay_wanted
+from kvbus.bus.relay import EnginePublisher, RelayPublisher, relay_wanted
 from kvbus.config import redact_url, resolve_source, resolve_stream, resolve_url
 from kvbus.wire.envelope import SCHEMA_VERSION, Envelope, Kind, encode_envelope
 from kvbus.wire.events import SourceStopped, encode
@@ -351,7 +351,7 @@ class KvbusEventPublisher(EventPublisher):
             self.zmq = ZmqEventPublisher(data_parallel_rank, **zmq_options)
         source = source or engine_source(data_parallel_rank)
         self.handoff: Handoff | None = None
-        self.publisher: kvbus.Publisher | RelayPublisher
+        self.publisher: EnginePublisher
         if relay_wanted(url):
             # The engine's process pays an encode and a send per step; the transport's
             # client runs in a relay process, which ends the epoch if this one is killed

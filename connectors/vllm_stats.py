@@ -27,9 +27,8 @@ from kvbus.connectors.vllm_events import STOP_WITHIN, engine_source
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-import kvbus
 from kvbus import metrics
-from kvbus.bus.relay import RelayPublisher, engine_publisher
+from kvbus.bus.relay import EnginePublisher, engine_publisher
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import LoadMetrics
 
@@ -97,7 +96,7 @@ class KvbusStatLogger(StatLoggerBase):
         self.vllm_config = vllm_config
         self.interval = float(os.environ.get("KVBUS_METRICS_INTERVAL", "0.25"))
         self.heartbeat = float(os.environ.get("KVBUS_METRICS_HEARTBEAT", "2"))
-        self.publisher: kvbus.Publisher | RelayPublisher | None = None
+        self.publisher: EnginePublisher | None = None
         if not (url or os.environ.get("KVBUS_URL")):
             return
         self.publisher = engine_publisher(

@@ -116,7 +116,7 @@ class MemoryTransport(Transport):
             return stream
 
     async def append(self, stream: str, records: Sequence[Record]) -> None:
-        self._stream(stream).append(records)
+        self._append_inline(stream, records)
 
     @property
     def inline_append(self) -> Callable[[str, Sequence[Record]], None] | None:

@@ -117,7 +117,6 @@ class Publisher:
         self.stream = resolve_stream(stream)
         self.source = resolve_source(source)
         self.epoch = relayed.epoch if relayed is not None else time.time_ns()
-        self._relayed = relayed
         self.stats = PublisherStats()
         self.append_latency = instruments.LatencyHistogram()
         """Seconds from an append's first try to the transport's acknowledgement."""

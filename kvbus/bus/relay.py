@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 from urllib.parse import urlsplit
 
 import msgspec
@@ -116,6 +116,11 @@ def can_relay(url: str) -> bool:
     return urlsplit(url).scheme in RELAYED_SCHEMES and hasattr(os, "memfd_create")
 
 
+EnginePublisher: TypeAlias = "Publisher | RelayPublisher"
+"""What `engine_publisher` opens: either one has ``publish``, ``flush``, ``close`` and
+``stats``."""
+
+
 def relay_wanted(url: str | None) -> bool:
     """Whether an engine's publisher for ``url`` goes through a relay: ``url`` is None
     (the bus of ``KVBUS_URL``, as vLLM's plugin, stat logger and connector open it),
@@ -132,7 +137,7 @@ def engine_publisher(
     stream: str | None = None,
     source: str | None = None,
     data_parallel_rank: int | None = None,
-) -> RelayPublisher | Publisher:
+) -> EnginePublisher:
     """The publisher a vLLM process's kvbus component (the stat logger, the KV
     connector's records) opens: a `RelayPublisher` where `relay_wanted`, so the
     transport's client runs outside that process; otherwise a `Publisher`."""
