@@ -62,22 +62,6 @@ def advertised_url(argv: list[str] | None = None) -> str:
     return f"http://{host}:{known.port or 8000}"
 
 
-def step_timing(iteration_stats: Any) -> tuple[float, int, int] | None:
-    """One engine step's ``(seconds, prefill_tokens, decodes)`` from vLLM's
-    ``IterationStats`` for it, or None when it decoded nothing (a step that only
-    prefilled says nothing of its length). The step's wall time is its requests' median
-    inter-token latency: each is the time between this step's output and the one before
-    by the engine's clock, so a request preempted in between is one outlier, not the
-    step's time."""
-    latencies = getattr(iteration_stats, "inter_token_latencies_iter", None)
-    if not latencies:
-        return None
-    ordered = sorted(latencies)
-    seconds = float(ordered[len(ordered) // 2])
-    prompt = getattr(iteration_stats, "prompt_token_stats", None)
-    return seconds, int(getattr(prompt, "computed", 0)), len(ordered)
-
-
 ROLES: Final = {"prefill": "prefill", "decode": "decode", "both": "", "": ""}
 
 
@@ -133,7 +117,6 @@ class KvbusStatLogger(StatLoggerBase):
         names = vllm_config.model_config.served_model_name if vllm_config.model_config else None
         self.model: str = (names[0] if names else "") if isinstance(names, list) else names or ""
         self._deltas = [0, 0, 0, 0]  # prefix queries, hits; connector queries, hits
-        self._steps = [0, 0.0, 0, 0]  # steps timed, their seconds, prefill tokens, decodes
         self._last_sent = 0.0
         self._closed = threading.Event()
         threading.Thread(target=self._beat, name="kvbus-metrics-heartbeat", daemon=True).start()
@@ -165,12 +148,6 @@ class KvbusStatLogger(StatLoggerBase):
             if connector is not None:
                 self._deltas[2] += connector.queries
                 self._deltas[3] += connector.hits
-            timing = step_timing(iteration_stats) if iteration_stats is not None else None
-            if timing is not None:
-                self._steps[0] += 1
-                self._steps[1] += timing[0]
-                self._steps[2] += timing[1]
-                self._steps[3] += timing[2]
             was_busy = self._latest.running or self._latest.waiting
             self._latest = LoadMetrics(
                 ts=time.time(),
@@ -189,8 +166,6 @@ class KvbusStatLogger(StatLoggerBase):
         assert self.publisher is not None
         queries, hits, connector_queries, connector_hits = self._deltas
         self._deltas = [0, 0, 0, 0]
-        steps, step_seconds, step_prefill_tokens, step_decodes = self._steps
-        self._steps = [0, 0.0, 0, 0]
         self._last_sent = time.monotonic()
         self.publisher.publish(
             LoadMetrics(
@@ -203,10 +178,6 @@ class KvbusStatLogger(StatLoggerBase):
                 prefix_cache_hits=hits,
                 connector_prefix_cache_queries=connector_queries,
                 connector_prefix_cache_hits=connector_hits,
-                steps=int(steps),
-                step_seconds=float(step_seconds),
-                step_prefill_tokens=int(step_prefill_tokens),
-                step_decodes=int(step_decodes),
                 kv_cache_blocks=self._kv_cache_blocks(),
                 block_size=int(self.vllm_config.cache_config.block_size or 0),
                 url=self.url,

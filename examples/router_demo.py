@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 from cluster import (
@@ -214,6 +214,13 @@ class Sim:
     """More `kvbus sim` options (``--max-num-seqs 64``, say)."""
 
 
+SHARED_CORES_ARGS: Final = ("--weight", "pace=0")
+"""kvbus's router options for vLLM CPU servers on one host: they share its cores, so
+each one's speed is the others' load (the one given more work takes the cores and runs
+faster, measured here at 3-20x); the router's pace would follow that and draw every
+request to one engine. Simulated engines each run on their own modelled hardware."""
+
+
 class Cluster:
     """nats-server and vLLM servers named ``a``, ``b``, ... under ``directory``, or with
     ``sim`` one `kvbus sim` process of ``servers`` simulated engines (``sim-0``, ...).
@@ -237,8 +244,9 @@ class Cluster:
         make_model(self.model, *model)
         self.nats = NatsServer(directory)
         self.peers = peers
-        self.router_args: list[str] = []
-        """More options for kvbus's router (``--weight queued=0.5``, say)."""
+        self.router_args: list[str] = [] if sim else list(SHARED_CORES_ARGS)
+        """More options for kvbus's router (``--weight queued=0.5``, say); for vLLM CPU
+        servers, `SHARED_CORES_ARGS`."""
         self.fleet: SimFleet | None = None
         self.servers: list[VllmServer] | list[SimEngine]
         if sim:
@@ -429,7 +437,8 @@ async def main() -> None:
         engines = (
             f"{args.engines} simulated engines (kvbus sim, profile {args.profile})"
             if args.sim
-            else f"{args.engines} vLLM CPU servers"
+            else f"{args.engines} vLLM CPU servers, sharing this host's cores (kvbus's "
+            f"router: {' '.join(SHARED_CORES_ARGS)})"
         )
         print(
             f"starting nats-server and {engines} ({args.blocks} KV blocks of "

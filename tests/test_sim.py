@@ -336,11 +336,6 @@ async def test_the_bus_rebuilds_each_engines_block_pool_exactly(
     load = [m.body for m in await read_bus(nats_server.url, sim.source(0), "metrics")]
     assert any(isinstance(b, LoadMetrics) and b.prefix_cache_hits > 0 for b in load)
     assert any(isinstance(b, LoadMetrics) and b.kv_cache_blocks == BLOCKS for b in load)
-    # Each decoding step's time, as vLLM's front end reads it (inter-token latency).
-    timed = [b for b in load if isinstance(b, LoadMetrics) and b.steps]
-    steps = sum(b.steps for b in timed)
-    assert steps > 0 and sum(b.step_decodes for b in timed) >= steps
-    assert steps <= sim.fleet.engines[0].steps and sum(b.step_seconds for b in timed) > 0
 
 
 def indexed(messages: list[Message]) -> PrefixIndex:

@@ -60,11 +60,9 @@ async def test_kv_events_and_load_arrive_from_vllm_serve(
     prefix = " ".join(f"w{i}" for i in range(100, 300))
     prompts = [f"{prefix} w{900 + n} w{950 + n}" for n in range(8)]
     loop = asyncio.get_running_loop()
-    started = loop.time()
     outputs = await asyncio.gather(
         *(loop.run_in_executor(None, complete, served, p, 48) for p in prompts)
     )
-    serving = loop.time() - started
     assert all(o["usage"]["prompt_tokens"] == 202 for o in outputs)
     await asyncio.sleep(3)  # an idle record and a heartbeat follow the last step
 
@@ -84,12 +82,6 @@ async def test_kv_events_and_load_arrive_from_vllm_serve(
     # Deltas: their sum is what the engine counted (8 prompts of 202 tokens).
     assert sum(b.prefix_cache_queries for b in loads) >= 8 * 202
     assert sum(b.prefix_cache_hits for b in loads) > 0
-    # Engine steps, timed by their inter-token latency (what a router reads the engine's
-    # speed from): every token after a request's first is one decode in one timed step.
-    assert sum(b.step_decodes for b in loads) == 8 * 47
-    steps = sum(b.steps for b in loads)
-    assert 47 <= steps <= 8 * 47
-    assert 0 < sum(b.step_seconds for b in loads) < serving
     # Each record carries the engine's KV capacity, as vLLM itself reports it.
     text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"{served}/metrics").read())
     info = r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"'

@@ -107,8 +107,7 @@ class FleetState:
         self.pending_masks = self.requests.pending_masks
         self.window_pending_masks = self.requests.window_pending_masks
         self.pace = WorkerPace(clock=clock)
-        """each worker's speed relative to the fleet's: its engine's step times, else its
-        time to first token per block ahead"""
+        """each worker's time to first token per block ahead, relative to the fleet's"""
 
     # --- what the engines say --------------------------------------------------------
 
@@ -152,15 +151,6 @@ class FleetState:
         self._heard[number] = heard
         self.from_engine.discard(number)
         self.fresh[number] = heard + self.stale_after
-        if metrics.steps > 0:  # forged figures are no observation (`WorkerPace`)
-            self.pace.observe_steps(
-                number,
-                metrics.step_seconds,
-                metrics.steps,
-                metrics.step_prefill_tokens,
-                metrics.step_decodes,
-                at=heard,
-            )
         if metrics.kv_cache_blocks > 0:
             self.capacity[number] = metrics.kv_cache_blocks
             # The index then holds no more of this worker's blocks than its engine can.

@@ -1,43 +1,32 @@
-"""`WorkerPace`: how fast each worker runs, as this router sees it, relative to the
-fleet.
+"""`WorkerPace`: how fast each worker gets to a request's first token, as this router
+sees it, relative to the fleet.
 
 The cost model counts work in blocks of prefill; an engine on a slower GPU, a busier
-host or a larger model pays more seconds for each. Two kinds of evidence say how many:
+host or a larger model pays more seconds for each. Every request this router sent that
+starts streaming is one observation: the seconds from routing to its first token, the
+blocks of prefill ahead of that token on its worker (its own uncached blocks plus those
+of this router's requests queued there before it, plus one for the token vLLM always
+computes), the prompt's blocks (attention over a cached prefix costs too), and how many
+requests its steps were shared with (this router's streaming there and everyone
+else's: a step that also decodes them takes longer).
 
-- **Engine steps** (`WorkerPace.observe_steps`), from the engine's load records on the
-  bus: how long its steps took (each one's inter-token latency, the engine's own clock)
-  for the prompt tokens they computed and the requests they decoded. A queue, a burst
-  of siblings or the router's own guesses do not enter them: a step takes what the
-  engine's hardware takes for its batch. Every record of every router's traffic counts,
-  from the first steps an engine runs.
-- **First tokens** (`WorkerPace.observe`): each request this router sent that starts
-  streaming is one observation: the seconds from routing to its first token, the blocks
-  of prefill ahead of that token on its worker (its own uncached blocks plus those of
-  this router's requests queued there before it, plus one for the token vLLM always
-  computes), the prompt's blocks (attention over a cached prefix costs too), and how
-  many requests its steps were shared with (this router's streaming there and everyone
-  else's: a step that also decodes them takes longer). They are the fallback for an
-  engine that reports no steps (an older plugin, an endpoint's own load reports).
+One fleet-wide fit (`FleetFit`), ``seconds = overhead + per_block * blocks +
+per_prompt_block * prompt_blocks + per_busy * busy`` (least squares over exponentially
+decayed sums), says what an average worker would take; a worker's *reading* is its
+observed seconds over the fit's for the same observations (the overhead and prompt
+terms keep cache-hit requests from reading slow; the busy term keeps a worker that
+holds popular prefixes, and so decodes many requests, from reading slow for it). Its
+*pace* is its reading over the median worker's: a worker twice as slow as the rest
+reads 2 (one twice as fast, 0.5), and the cost model multiplies its cost by that. The
+(lower) median, not the fastest: on a uniform fleet the fastest reading is the
+luckiest, and every other worker would read slow against it.
 
-Each kind has one fleet-wide fit (`FleetFit`: least squares over exponentially decayed
-sums) that says what an average worker would take: for first tokens, ``seconds =
-overhead + per_block * blocks + per_prompt_block * prompt_blocks + per_busy * busy``
-(the overhead and prompt terms keep cache-hit requests from reading slow; the busy term
-keeps a worker that holds popular prefixes, and so decodes many requests, from reading
-slow for it); for steps, ``seconds = per_step * steps + per_token * prefill_tokens +
-per_decode * decodes``. A worker's *reading* is its observed seconds over the fit's for
-the same observations; its *pace* is its reading over the median worker's: a worker
-twice as slow as the rest reads 2 (one twice as fast, 0.5), and the cost model
-multiplies its cost by that. The (lower) median, not the fastest: on a uniform fleet
-the fastest reading is the luckiest, and every other worker would read slow against it.
-
-Pace is 1 for a worker with too few observations or within a factor ``deadband`` of the
-median (noise must not move traffic on a uniform fleet), and within a factor ``limit``.
-A worker's evidence is dropped ``stale_after`` seconds after its latest observation: a
-worker read slow draws little traffic, and none would ever read it again.
-A worker's step pace, once it has one, is its pace; else its first-token pace.
-Everything is from the caller's observations: the same observations give the same
-paces.
+Pace is 1 for a worker with fewer than ``min_samples`` observations or within a factor
+``deadband`` of the median (noise must not move traffic on a uniform fleet), and
+within a factor ``limit``. A worker's observations are dropped ``stale_after`` seconds
+after its latest: a worker read slow draws little traffic, so nothing would read it
+again. Everything is from the caller's observations and clock: the same observations
+at the same times give the same paces.
 """
 
 from __future__ import annotations
@@ -53,8 +42,8 @@ import numpy.typing as npt
 HALF_LIFE: Final = 64.0
 """Observations after which one counts half (per worker, and for the fleet-wide fit)."""
 LIMIT: Final = 1e12
-"""Any figure at or past it (seconds, blocks, tokens, steps) is no observation."""
-STALE_AFTER: Final = 3.0
+"""Any figure at or past it (seconds, blocks, busy requests) is no observation."""
+STALE_AFTER: Final = 10.0
 """Seconds after its latest observation that a worker's evidence is dropped."""
 
 
@@ -126,10 +115,8 @@ class FleetFit:
         held = self.count > 0
         return float(self.last[held].min()) if held.any() else math.inf
 
-    def paces(
-        self, deadband: float, limit: float
-    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float64]]:
-        """Which workers have a pace, and every worker's (1 where none; O(workers))."""
+    def paces(self, deadband: float, limit: float) -> npt.NDArray[np.float64]:
+        """Every worker's pace (1 where it has too few observations; O(workers))."""
         expected = self.x @ self.fit()
         known = (self.count >= self.min_samples) & (expected > 0)
         paces = np.ones(len(self.count))
@@ -143,7 +130,7 @@ class FleetFit:
             if typical > 0:
                 paces[known] = np.clip(readings / typical, 1.0 / limit, limit)
         paces[(paces <= deadband) & (paces >= 1.0 / deadband)] = 1.0
-        return known, paces
+        return paces
 
     def _grow(self, number: int) -> None:
         size = len(self.count)
@@ -157,8 +144,7 @@ class FleetFit:
 
 
 class WorkerPace:
-    """Each worker's pace (1: as fast as the median worker), from its engine's steps
-    (`observe_steps`) or, for an engine that reports none, from time-to-first-token
+    """Each worker's pace (1: as fast as the median worker), from time-to-first-token
     observations (`observe`)."""
 
     def __init__(
@@ -168,7 +154,6 @@ class WorkerPace:
         deadband: float = 1.4,
         limit: float = 4.0,
         min_fit: float = 32.0,
-        min_step_records: int = 2,
         stale_after: float = STALE_AFTER,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -182,8 +167,6 @@ class WorkerPace:
         """when the stalest worker's evidence is dropped"""
         self._first_tokens = FleetFit(4, half_life, min_samples)
         """x = (1, blocks, prompt_blocks, busy)"""
-        self._steps = FleetFit(3, half_life, min_step_records)
-        """x = (steps, prefill_tokens, decodes)"""
         self.paces: npt.NDArray[np.float64] = np.ones(16)
         """Each worker's pace, by the index's number (1 where unknown)."""
 
@@ -207,28 +190,6 @@ class WorkerPace:
         if self._first_tokens.observe(number, seconds, x, self._clock()):
             self._update()
 
-    def observe_steps(
-        self,
-        number: int,
-        seconds: float,
-        steps: int,
-        prefill_tokens: int,
-        decodes: int,
-        at: float | None = None,
-    ) -> None:
-        """Worker ``number``'s engine ran ``steps`` steps in ``seconds`` (their wall time,
-        by the engine's clock), computing ``prefill_tokens`` prompt tokens and decoding
-        ``decodes`` tokens (one per running request and step), reported at ``at`` (by
-        the clock; default now: a record replayed from the bus's history is as old as
-        it is)."""
-        if steps <= 0:
-            return
-        x = np.array([float(steps), float(prefill_tokens), float(decodes)])
-        now = self._clock()
-        at = now if at is None or not at <= now else at
-        if self._steps.observe(number, seconds, x, at):
-            self._update()
-
     def predict(self, number: int, blocks: float, prompt_blocks: float, busy: float) -> float:
         """Seconds worker ``number`` should take to a first token for a request with
         ``blocks`` of prefill ahead, a prompt of ``prompt_blocks`` and ``busy`` other
@@ -242,23 +203,13 @@ class WorkerPace:
 
     def forget(self, number: int) -> None:
         """Worker ``number`` restarted or left: what it was is no evidence of what it is."""
-        steps, first_tokens = self._steps.forget(number), self._first_tokens.forget(number)
-        if steps or first_tokens:
+        if self._first_tokens.forget(number):
             self._update()
 
     def _update(self) -> None:
         """Every worker's pace under the fits as they are now (O(workers), vectorised)."""
-        _, paces = self._first_tokens.paces(self.deadband, self.limit)
-        stepped, step_paces = self._steps.paces(self.deadband, self.limit)
-        size = max(len(paces), len(step_paces))
-        paces, step_paces, stepped = (
-            np.pad(paces, (0, size - len(paces)), constant_values=1.0),
-            np.pad(step_paces, (0, size - len(step_paces)), constant_values=1.0),
-            np.pad(stepped, (0, size - len(stepped))),
-        )
-        self.paces = np.where(stepped, step_paces, paces)
-        oldest = min(self._steps.oldest(), self._first_tokens.oldest())
-        self._expires = oldest + self.stale_after
+        self.paces = self._first_tokens.paces(self.deadband, self.limit)
+        self._expires = self._first_tokens.oldest() + self.stale_after
 
     def _expire(self, now: float) -> None:
         """Drop the evidence of workers observed last ``stale_after`` ago or earlier: a
@@ -266,9 +217,8 @@ class WorkerPace:
         fleet's fit moves on without it), while the slowness may have passed (a noisy
         neighbour gone, a host less loaded)."""
         before = now - self.stale_after
-        for fit in (self._steps, self._first_tokens):
-            for number in fit.stale(before):
-                fit.forget(int(number))
+        for number in self._first_tokens.stale(before):
+            self._first_tokens.forget(int(number))
         self._update()
 
     def of(self, size: int) -> npt.NDArray[np.float64]:

@@ -24,7 +24,6 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_events import EventBatch, EventPublisher, ZmqEventPublisher
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.metrics.stats import IterationStats
 
 from kvbus.connectors.vllm_events import KvbusEventPublisher, prepend_events
 from kvbus.connectors.vllm_stats import KvbusStatLogger
@@ -51,7 +50,6 @@ class RequestStream:
     finish_reason: str | None = None
     error: Exception | None = None
     first_token_at: float | None = None
-    last_token_at: float = 0.0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -260,11 +258,11 @@ class SimEngine:
                     # The forward pass: new arrivals wait for the next step, as in vLLM.
                     await asyncio.sleep(max(0.0, started + seconds - loop.time()))
                     outputs, stats = self.core.end_step(decision)
-                iteration = self._deliver(outputs)
+                self._deliver(outputs)
                 self.steps += 1
                 self.step_seconds += seconds
                 if stats is not None:
-                    self._record(stats, iteration)
+                    self._record(stats)
                 if not decision.total_num_scheduled_tokens and not outputs:
                     break  # nothing can run until a request arrives or ends: no busy loop
                 self._admit()
@@ -277,13 +275,8 @@ class SimEngine:
             self.core.add(stream.request_id, prompt, sampling, stream.arrival, cache_salt)
         self._arrived.clear()
 
-    def _deliver(self, outputs: list[EngineCoreOutput]) -> IterationStats:
-        """The step's outputs to their streams; its ``IterationStats`` as vLLM's front
-        end makes them (first tokens' prompt stats, each decoding request's inter-token
-        latency: the time since its previous token)."""
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
         now = time.time()
-        iteration = IterationStats()  # type: ignore[no-untyped-call]
-        iteration.iteration_timestamp = now
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -291,15 +284,9 @@ class SimEngine:
             if output.prefill_stats is not None:
                 stream.cached_tokens = output.prefill_stats.num_cached_tokens
             if output.new_token_ids:
-                iteration.num_generation_tokens += len(output.new_token_ids)
                 if stream.first_token_at is None:
                     stream.first_token_at = now
                     self.metrics.ttft.observe(now - stream.arrival)
-                    if output.prefill_stats is not None:
-                        iteration.prompt_token_stats.update_from_output(output.prefill_stats)
-                else:
-                    iteration.inter_token_latencies_iter.append(now - stream.last_token_at)
-                stream.last_token_at = now
                 stream.tokens.extend(output.new_token_ids)
             if output.finish_reason is not None:
                 stream.finish_reason = str(output.finish_reason)
@@ -309,9 +296,8 @@ class SimEngine:
                 )
                 self.metrics.e2e.observe(now - stream.arrival)
             stream.changed.set()
-        return iteration
 
-    def _record(self, stats: Any, iteration: IterationStats) -> None:
+    def _record(self, stats: Any) -> None:
         self.metrics.record_step(stats)
         if self.stat_logger is not None:
-            self.stat_logger.record(stats, iteration)
+            self.stat_logger.record(stats, None)

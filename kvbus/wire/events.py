@@ -135,16 +135,6 @@ class LoadMetrics(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     connector_prefix_cache_queries: int = 0
     """Tokens looked up in the KV connector's external cache (deltas, like the above)."""
     connector_prefix_cache_hits: int = 0
-    steps: int = 0
-    """Engine steps timed since the previous record (deltas): those that decoded at
-    least one request, whose inter-token latency is the step's wall time by the engine's
-    clock. What a router reads the engine's speed from (`kvbus.routing.pace`)."""
-    step_seconds: float = 0.0
-    """Those steps' wall time, summed."""
-    step_prefill_tokens: int = 0
-    """Prompt tokens those steps computed (cache hits not included), summed."""
-    step_decodes: int = 0
-    """Tokens those steps decoded (one per decoding request and step), summed."""
     kv_cache_blocks: int = 0
     """Blocks in the engine's KV cache (its capacity); 0: not reported."""
     block_size: int = 0
