@@ -215,28 +215,3 @@ def test_the_slower_of_two_workers_reads_its_ratio_and_the_faster_one() -> None:
             pace.observe(worker, ttft(blocks, slowness, noise), blocks)
     paces = pace.of(2)
     assert paces[0] == 1.0 and 1.9 < paces[1] < 2.5, paces
-
-
-def test_a_request_predicted_late_on_its_pick_goes_to_the_next_worker_in_time() -> None:
-    """The cheapest worker (it holds the prompt's prefix) runs a request late: the next
-    one by cost that should reach the first token within ``shed_after`` takes it (a
-    recompute in time beats a refusal); only when none of them would is it shed."""
-    r, clock = slow_b_router(1.0)
-    r.shed_after = 0.5
-    prefix = list(range(500, 540))
-    waiting = r.route(prefix, exclude={"b", "c"})
-    assert waiting is not None and waiting.worker == "a" and not waiting.shed
-    clock.now += 0.6  # it has not started: a runs behind
-    queued = {n: r.state.queued_blocks(n) for n in range(3)}
-    moved = r.route([*prefix, 7, 8, 9, 10], exclude={"c"})
-    assert moved is not None and not moved.shed and moved.worker == "b", moved.explain()
-    assert moved.passed_over == ["a"] and "passed over" in moved.explain()
-    assert moved.predicted_ttft <= 0.5 and moved.predicted_cached_tokens == 0
-    a, b = r.index.worker_number("a"), r.index.worker_number("b")
-    assert r.state.queued_blocks(a) == queued[a] and r.state.queued_blocks(b) > queued[b]
-    # b runs late too: nothing in time, the request is shed and assigned nowhere.
-    clock.now += 0.6
-    queued = {n: r.state.queued_blocks(n) for n in range(3)}
-    shed = r.route([*prefix, 11, 12, 13, 14], exclude={"c"})
-    assert shed is not None and shed.shed, shed.explain()
-    assert {n: r.state.queued_blocks(n) for n in range(3)} == queued

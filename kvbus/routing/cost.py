@@ -160,12 +160,8 @@ class Decision(msgspec.Struct, kw_only=True):
     `Router.prefilled_elsewhere`): what the engine reports cached depends on its
     connector, so it is left out of the accuracy metrics."""
     shed: bool = False
-    """Not routed: ``predicted_ttft`` is over the router's ``shed_after`` here and on
-    the next workers by cost (the request is to be refused at once, 503; it took
-    nothing on the worker)."""
-    passed_over: list[str] = []
-    """Cheaper workers passed over: their first token was predicted past the router's
-    ``shed_after``, this one's within it."""
+    """Not routed: ``predicted_ttft`` is over the router's ``shed_after`` (the request
+    is to be refused at once, 503; it took nothing on the worker)."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""
@@ -181,9 +177,6 @@ class Decision(msgspec.Struct, kw_only=True):
             why += f"; first token in {self.predicted_ttft:.3f} s"
         if self.shed:
             why += " (over the router's limit: shed)"
-        if self.passed_over:
-            late = ", ".join(self.passed_over)
-            why += f" (passed over, predicted past the router's limit: {late})"
 
         if self.runner_up is not None:
             why += f"; runner-up {self.runner_up} at {self.runner_up_cost:.2f}"

@@ -31,10 +31,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, Final
-
-import numpy as np
-import numpy.typing as npt
+from typing import Any
 
 from kvbus.bus.subscription import Message, Resync, ResyncReason
 from kvbus.routing.cost import CostModel, CostWeights, Decision, Policy
@@ -44,10 +41,6 @@ from kvbus.routing.peers import MAX_PEER_KEYS, MAX_PEER_REQUESTS, MAX_PEERS, Pee
 from kvbus.routing.sessions import Sessions
 from kvbus.wire.envelope import Kind
 from kvbus.wire.events import LoadMetrics, RouteEvent, SourceStopped
-
-ON_TIME_TRIES: Final = 3
-"""Workers after the pick that `Router.route` tries, by cost, before it sheds a request
-predicted late (``shed_after``)."""
 
 
 class Router:
@@ -248,13 +241,22 @@ class Router:
         decision = self.cost.choose(self.state, load, keys, len(token_ids), stay)
         if decision is None:
             return None
-        self._predict(decision, len(keys), now)
+        decision.routed_at = now
+        decision.ahead_blocks = (
+            self.state.queued_blocks(decision.number) + decision.prefill_blocks + 1
+        )
+        decision.ahead_busy = self.state.busy(decision.number)
+        # The fit's seconds for the work ahead, plus how late the worker runs behind it
+        # now; at least the age of the oldest request still waiting there (in a steady
+        # queue every request waits about as long).
+        age, late = self.state.behind(decision.number, now)
+        predicted = self.state.pace.predict(
+            decision.number, decision.ahead_blocks, len(keys), decision.ahead_busy
+        )
+        decision.predicted_ttft = age if math.isnan(predicted) else max(predicted + late, age)
         if self.shed_after is not None and decision.predicted_ttft > self.shed_after:
-            on_time = self._on_time_elsewhere(decision, load, keys, len(token_ids), now)
-            if on_time is None:
-                decision.shed = True  # nothing assigned: the worker never hears of it
-                return decision
-            decision = on_time
+            decision.shed = True  # nothing assigned: the worker never hears of it
+            return decision
         self.state.assign(decision)
         if session:
             self.sessions.assign(session, decision.worker, now)
@@ -274,50 +276,6 @@ class Router:
                 )
             )
         return decision
-
-    def _predict(self, decision: Decision, prompt_blocks: int, now: float) -> None:
-        """Set the work ahead of ``decision``'s first token and when it should come."""
-        decision.routed_at = now
-        decision.ahead_blocks = (
-            self.state.queued_blocks(decision.number) + decision.prefill_blocks + 1
-        )
-        decision.ahead_busy = self.state.busy(decision.number)
-        # The fit's seconds for the work ahead, plus how late the worker runs behind it
-        # now; at least the age of the oldest request still waiting there (in a steady
-        # queue every request waits about as long).
-        age, late = self.state.behind(decision.number, now)
-        predicted = self.state.pace.predict(
-            decision.number, decision.ahead_blocks, prompt_blocks, decision.ahead_busy
-        )
-        decision.predicted_ttft = age if math.isnan(predicted) else max(predicted + late, age)
-
-    def _on_time_elsewhere(
-        self,
-        late: Decision,
-        load: npt.NDArray[np.float64],
-        keys: list[int],
-        prompt_tokens: int,
-        now: float,
-    ) -> Decision | None:
-        """The cheapest other worker predicted to reach the first token within
-        ``shed_after``, when ``late``'s is not (a queue there: its requests would time
-        out, while another worker recomputing the prefix may be in time); None when none
-        of the next `ON_TIME_TRIES` by cost is. Each try is one pass over the workers."""
-        assert self.shed_after is not None
-        load = load.copy()
-        passed = [late.worker]
-        load[late.number] = np.inf
-        for _ in range(ON_TIME_TRIES):
-            alternate = self.cost.choose(self.state, load, keys, prompt_tokens)
-            if alternate is None:
-                return None
-            self._predict(alternate, len(keys), now)
-            if alternate.predicted_ttft <= self.shed_after:
-                alternate.passed_over = passed
-                return alternate
-            passed.append(alternate.worker)
-            load[alternate.number] = np.inf
-        return None
 
     def prefilled_elsewhere(self, decision: Decision) -> None:
         """The prompt of ``decision`` (routed, not started) is computed on another
