@@ -10,16 +10,16 @@ computes), the prompt's blocks (attention over a cached prefix costs too), and h
 requests its steps were shared with (this router's streaming there and everyone
 else's: a step that also decodes them takes longer).
 
-One fleet-wide fit (`FleetFit`), ``seconds = overhead + per_block * blocks +
-per_prompt_block * prompt_blocks + per_busy * busy`` (least squares over exponentially
-decayed sums), says what an average worker would take; a worker's *reading* is its
-observed seconds over the fit's for the same observations (the overhead and prompt
-terms keep cache-hit requests from reading slow; the busy term keeps a worker that
-holds popular prefixes, and so decodes many requests, from reading slow for it). Its
-*pace* is its reading over the median worker's: a worker twice as slow as the rest
-reads 2 (one twice as fast, 0.5), and the cost model multiplies its cost by that. The
-(lower) median, not the fastest: on a uniform fleet the fastest reading is the
-luckiest, and every other worker would read slow against it.
+One fleet-wide fit, ``seconds = overhead + per_block * blocks + per_prompt_block *
+prompt_blocks + per_busy * busy`` (least squares over exponentially decayed sums), says
+what an average worker would take; a worker's *reading* is its observed seconds over
+the fit's for the same observations (the overhead and prompt terms keep cache-hit
+requests from reading slow; the busy term keeps a worker that holds popular prefixes,
+and so decodes many requests, from reading slow for it). Its *pace* is its reading
+over the median worker's: a worker twice as slow as the rest reads 2 (one twice as
+fast, 0.5), and the cost model multiplies its cost by that. The lower median, not
+the fastest: on a uniform fleet the fastest reading is the luckiest, and every other
+worker would read slow against it.
 
 Pace is 1 for a worker with fewer than ``min_samples`` observations or within a factor
 ``deadband`` of the median (noise must not move traffic on a uniform fleet), and
@@ -39,108 +39,11 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+_TERMS: Final = 4
 HALF_LIFE: Final = 64.0
 """Observations after which one counts half (per worker, and for the fleet-wide fit)."""
-LIMIT: Final = 1e12
-"""Any figure at or past it (seconds, blocks, busy requests) is no observation."""
 STALE_AFTER: Final = 10.0
-"""Seconds after its latest observation that a worker's evidence is dropped."""
-
-
-class FleetFit:
-    """A fleet-wide least-squares fit of seconds on ``terms`` figures, and each worker's
-    reading against it (its seconds over the fit's for its own observations)."""
-
-    def __init__(self, terms: int, half_life: float, min_samples: int) -> None:
-        self.terms = terms
-        self.min_samples = min_samples
-        self.decay = 0.5 ** (1.0 / half_life)
-        self.xx = np.zeros((terms, terms))
-        self.xy = np.zeros(terms)
-        # Per worker (by the index's number): decayed sums of x and of seconds (its
-        # expected seconds are those sums times the fit as it is now, not as it was at
-        # each observation), and how many observations.
-        self.x = np.zeros((16, terms))
-        self.seconds = np.zeros(16)
-        self.count = np.zeros(16)
-        self.last = np.zeros(16)
-        """when (clock) each worker's latest observation came"""
-
-    def fit(self) -> npt.NDArray[np.float64]:
-        xx = self.xx
-        if xx[0, 0] <= 0:
-            return np.zeros(self.terms)
-        # A little ridge: while every observation had the same figures the equations
-        # are singular; the fit then leans on the terms that did vary.
-        ridge = 1e-6 * float(np.trace(xx)) * np.eye(self.terms)
-        # Not clipped at 0: terms that move together (a new prompt's blocks ahead and
-        # its prompt blocks) may split with one negative, their sum still right; clipping
-        # one would skew every prediction by the mix of work each worker was sent.
-        solved: npt.NDArray[np.float64] = np.asarray(
-            np.linalg.solve(xx + ridge, self.xy), dtype=np.float64
-        )
-        return solved
-
-    def observe(self, number: int, seconds: float, x: npt.NDArray[np.float64], now: float) -> bool:
-        """Add one observation, made at ``now``; False (nothing added) for a figure that
-        is no number, negative or past `LIMIT`."""
-        if not (math.isfinite(seconds) and 0 <= seconds < LIMIT):
-            return False
-        if not (np.isfinite(x).all() and (x >= 0).all() and (x < LIMIT).all()):
-            return False
-        d = self.decay
-        self.xx = self.xx * d + np.outer(x, x)
-        self.xy = self.xy * d + x * seconds
-        self._grow(number)
-        self.x[number] = self.x[number] * d + x
-        self.seconds[number] = self.seconds[number] * d + seconds
-        self.count[number] += 1
-        self.last[number] = now
-        return True
-
-    def forget(self, number: int) -> bool:
-        """Drop worker ``number``'s own sums; whether it had any."""
-        if number < len(self.count) and self.count[number]:
-            self.x[number] = 0.0
-            self.seconds[number] = self.count[number] = 0.0
-            return True
-        return False
-
-    def stale(self, before: float) -> npt.NDArray[np.intp]:
-        """Workers with evidence whose latest observation came before ``before``."""
-        return np.flatnonzero((self.count > 0) & (self.last < before))
-
-    def oldest(self) -> float:
-        """When the stalest worker with evidence was last observed (inf: none has any)."""
-        held = self.count > 0
-        return float(self.last[held].min()) if held.any() else math.inf
-
-    def paces(self, deadband: float, limit: float) -> npt.NDArray[np.float64]:
-        """Every worker's pace (1 where it has too few observations; O(workers))."""
-        expected = self.x @ self.fit()
-        known = (self.count >= self.min_samples) & (expected > 0)
-        paces = np.ones(len(self.count))
-        if known.any():
-            readings = self.seconds[known] / expected[known]
-            # The lower median: with an even count the middle two's mean would make any
-            # gap between two workers read as one slow *and one fast* (a 1.8x gap puts
-            # the faster past the deadband's 1/1.4, and every request goes to it); with
-            # the lower one, the faster of two reads 1 and the slower its ratio.
-            typical = float(np.sort(readings)[(len(readings) - 1) // 2])
-            if typical > 0:
-                paces[known] = np.clip(readings / typical, 1.0 / limit, limit)
-        paces[(paces <= deadband) & (paces >= 1.0 / deadband)] = 1.0
-        return paces
-
-    def _grow(self, number: int) -> None:
-        size = len(self.count)
-        if number < size:
-            return
-        more = max(number + 1, 2 * size) - size
-        self.x = np.concatenate([self.x, np.zeros((more, self.terms))])
-        self.seconds = np.concatenate([self.seconds, np.zeros(more)])
-        self.count = np.concatenate([self.count, np.zeros(more)])
-        self.last = np.concatenate([self.last, np.zeros(more)])
+"""Seconds after its latest observation that a worker's observations are dropped."""
 
 
 class WorkerPace:
@@ -163,17 +66,40 @@ class WorkerPace:
         self.limit = limit
         self.stale_after = stale_after
         self._clock = clock
+        self._decay = 0.5 ** (1.0 / half_life)
+        # The fleet-wide fit's decayed normal equations over
+        # x = (1, blocks, prompt_blocks, busy).
+        self._xx = np.zeros((_TERMS, _TERMS))
+        self._xy = np.zeros(_TERMS)
+        # Per worker (by the index's number): decayed sums of x and of seconds (its
+        # expected seconds are those sums times the fit as it is now, not as it was at
+        # each observation), and how many observations.
+        self._x = np.zeros((16, _TERMS))
+        self._seconds = np.zeros(16)
+        self._count = np.zeros(16)
+        self._last = np.zeros(16)
+        """when (clock) each worker's latest observation came"""
         self._expires = math.inf
-        """when the stalest worker's evidence is dropped"""
-        self._first_tokens = FleetFit(4, half_life, min_samples)
-        """x = (1, blocks, prompt_blocks, busy)"""
+        """when the stalest worker's observations are dropped"""
         self.paces: npt.NDArray[np.float64] = np.ones(16)
         """Each worker's pace, by the index's number (1 where unknown)."""
 
     def fit(self) -> npt.NDArray[np.float64]:
         """The fleet's seconds to a first token per (request, block ahead, prompt
         block, busy request): ``seconds = fit @ (1, blocks, prompt_blocks, busy)``."""
-        return self._first_tokens.fit()
+        xx = self._xx
+        if xx[0, 0] <= 0:
+            return np.zeros(_TERMS)
+        # A little ridge: while every observation had the same blocks or busy count the
+        # equations are singular; the fit then leans on the terms that did vary.
+        ridge = 1e-6 * float(np.trace(xx)) * np.eye(_TERMS)
+        # Not clipped at 0: terms that move together (a new prompt's blocks ahead and
+        # its prompt blocks) may split with one negative, their sum still right; clipping
+        # one would skew every prediction by the mix of work each worker was sent.
+        solved: npt.NDArray[np.float64] = np.asarray(
+            np.linalg.solve(xx + ridge, self._xy), dtype=np.float64
+        )
+        return solved
 
     def observe(
         self,
@@ -186,45 +112,82 @@ class WorkerPace:
         """Worker ``number`` reached a request's first token ``seconds`` after it was
         routed there with ``blocks`` of prefill ahead (its own included), ``busy`` other
         requests on it, for a prompt of ``prompt_blocks``."""
+        values = (seconds, blocks, busy, prompt_blocks)
+        if not all(math.isfinite(v) and 0 <= v < 1e12 for v in values):
+            return
         x = np.array([1.0, blocks, prompt_blocks, busy])
-        if self._first_tokens.observe(number, seconds, x, self._clock()):
-            self._update()
+        d = self._decay
+        self._xx = self._xx * d + np.outer(x, x)
+        self._xy = self._xy * d + x * seconds
+        self._grow(number)
+        self._x[number] = self._x[number] * d + x
+        self._seconds[number] = self._seconds[number] * d + seconds
+        self._count[number] += 1
+        self._last[number] = self._clock()
+        self._update()
 
     def predict(self, number: int, blocks: float, prompt_blocks: float, busy: float) -> float:
         """Seconds worker ``number`` should take to a first token for a request with
         ``blocks`` of prefill ahead, a prompt of ``prompt_blocks`` and ``busy`` other
         requests on it (the fleet's fit times the worker's pace); NaN until the fit
         rests on ``min_fit`` observations (decayed)."""
-        if self._first_tokens.xx[0, 0] < self.min_fit:
+        if self._xx[0, 0] < self.min_fit:
             return math.nan
         seconds = float(self.fit() @ np.array([1.0, blocks, prompt_blocks, busy]))
-        pace = self.of(number + 1)[number]
-        return max(0.0, seconds) * float(pace)
+        return max(0.0, seconds) * float(self.of(number + 1)[number])
 
     def forget(self, number: int) -> None:
         """Worker ``number`` restarted or left: what it was is no evidence of what it is."""
-        if self._first_tokens.forget(number):
+        if number < len(self._count) and self._count[number]:
+            self._x[number] = 0.0
+            self._seconds[number] = self._count[number] = 0.0
             self._update()
 
+    def _grow(self, number: int) -> None:
+        size = len(self._count)
+        if number < size:
+            return
+        more = max(number + 1, 2 * size) - size
+        self._x = np.concatenate([self._x, np.zeros((more, _TERMS))])
+        self._seconds = np.concatenate([self._seconds, np.zeros(more)])
+        self._count = np.concatenate([self._count, np.zeros(more)])
+        self._last = np.concatenate([self._last, np.zeros(more)])
+        self.paces = np.concatenate([self.paces, np.ones(more)])
+
     def _update(self) -> None:
-        """Every worker's pace under the fits as they are now (O(workers), vectorised)."""
-        self.paces = self._first_tokens.paces(self.deadband, self.limit)
-        self._expires = self._first_tokens.oldest() + self.stale_after
+        """Every worker's pace under the fit as it is now (O(workers), vectorised)."""
+        expected = self._x @ self.fit()
+        known = (self._count >= self.min_samples) & (expected > 0)
+        paces = np.ones(len(self._count))
+        if known.any():
+            readings = self._seconds[known] / expected[known]
+            # The lower median: with an even count the middle two's mean would make any
+            # gap between two workers read as one slow *and one fast* (a 1.8x gap puts
+            # the faster past the deadband's 1/1.4, and every request goes to it); with
+            # the lower one, the faster of two reads 1 and the slower its ratio.
+            typical = float(np.sort(readings)[(len(readings) - 1) // 2])
+            if typical > 0:
+                paces[known] = np.clip(readings / typical, 1.0 / self.limit, self.limit)
+        paces[(paces <= self.deadband) & (paces >= 1.0 / self.deadband)] = 1.0
+        self.paces = paces
+        held = self._count > 0
+        self._expires = float(self._last[held].min()) + self.stale_after if held.any() else math.inf
 
     def _expire(self, now: float) -> None:
-        """Drop the evidence of workers observed last ``stale_after`` ago or earlier: a
-        worker read slow gets no traffic, so nothing would ever read it again (and the
+        """Drop the observations of workers observed last ``stale_after`` ago or earlier:
+        a worker read slow gets no traffic, so nothing would ever read it again (and the
         fleet's fit moves on without it), while the slowness may have passed (a noisy
         neighbour gone, a host less loaded)."""
-        before = now - self.stale_after
-        for number in self._first_tokens.stale(before):
-            self._first_tokens.forget(int(number))
+        stale = (self._count > 0) & (self._last <= now - self.stale_after)
+        self._x[stale] = 0.0
+        self._seconds[stale] = self._count[stale] = 0.0
         self._update()
 
     def of(self, size: int) -> npt.NDArray[np.float64]:
-        """The paces of workers ``0..size-1`` (O(1) but when evidence goes stale)."""
-        if self._expires <= self._clock():
-            self._expire(self._clock())
+        """The paces of workers ``0..size-1`` (O(1) but when observations go stale)."""
+        now = self._clock()
+        if self._expires <= now:
+            self._expire(now)
         if size > len(self.paces):
             return np.concatenate([self.paces, np.ones(size - len(self.paces))])
         return self.paces[:size]
