@@ -46,6 +46,28 @@ def test_a_worker_busy_decoding_for_its_popular_prefixes_is_not_read_slow() -> N
     assert list(pace.of(2)) == [1.0, 1.0]
 
 
+def test_a_few_busy_observations_do_not_make_busy_workers_predict_late() -> None:
+    """Scenario (e)'s misprediction: a young fit that has seen no busy worker takes
+    the first busy ones' residual (a surge's queueing) as the busy term's, and
+    predicted 10-24 s for workers busier still. A prediction goes no further than the
+    busiest observation; a busy cost seen over a range is learned all the same."""
+    pace, noise = WorkerPace(), random.Random(6)
+    for _ in range(40):  # nothing busy yet: seconds = 0.02 + 0.002 per block ahead
+        blocks = noise.randint(20, 120)
+        pace.observe(noise.randrange(4), ttft(blocks, 1.0, noise), blocks, 0)
+    for _ in range(8):  # then a surge: the first busy ones wait 1 s more than the fit
+        pace.observe(noise.randrange(4), ttft(100, 1.0, noise) + 1.0, 100, 1)
+    idle, busy = pace.predict(0, 100, 0, 0), pace.predict(0, 100, 0, 20)
+    assert busy < idle + 2.0  # extrapolated: 20 busy x ~0.95 s, 19 s more
+    # A real busy cost, seen over many observations, is learned all the same.
+    for _ in range(300):
+        blocks, busy_count = noise.randint(20, 120), noise.randint(0, 40)
+        seconds = ttft(blocks, 1.0, noise) + 0.01 * busy_count
+        pace.observe(noise.randrange(4), seconds, blocks, busy_count)
+    learned = (pace.predict(0, 100, 0, 40) - pace.predict(0, 100, 0, 0)) / 40
+    assert 0.008 < learned < 0.012
+
+
 def test_a_worker_twice_as_slow_reads_about_two_and_the_rest_one() -> None:
     pace, noise = WorkerPace(), random.Random(2)
     for _ in range(300):

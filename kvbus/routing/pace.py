@@ -81,6 +81,9 @@ class WorkerPace:
         """when (clock) each worker's latest observation came"""
         self._expires = math.inf
         """when the stalest worker's observations are dropped"""
+        self._busiest = 0.0
+        """The most busy requests the fit has seen one observation share steps with
+        (decayed as the fit's sums are)."""
         self.paces: npt.NDArray[np.float64] = np.ones(16)
         """Each worker's pace, by the index's number (1 where unknown)."""
 
@@ -118,6 +121,7 @@ class WorkerPace:
         x = np.array([1.0, blocks, prompt_blocks, busy])
         d = self._decay
         self._xx = self._xx * d + np.outer(x, x)
+        self._busiest = max(busy, self._busiest * d)
         self._xy = self._xy * d + x * seconds
         self._grow(number)
         self._x[number] = self._x[number] * d + x
@@ -129,10 +133,18 @@ class WorkerPace:
     def predict(self, number: int, blocks: float, prompt_blocks: float, busy: float) -> float:
         """Seconds worker ``number`` should take to a first token for a request with
         ``blocks`` of prefill ahead, a prompt of ``prompt_blocks`` and ``busy`` other
-        requests on it (the fleet's fit times the worker's pace); NaN until the fit
-        rests on ``min_fit`` observations (decayed)."""
+        requests on it (the fleet's fit times the worker's pace, ``busy`` at most the
+        most the fit has seen); NaN until the fit rests on ``min_fit`` observations
+        (decayed)."""
         if self._xx[0, 0] < self.min_fit:
             return math.nan
+        # Not past the busiest observation the fit has: a fit that has seen only a few
+        # busy requests puts the whole residual of those few (a surge's queueing, on the
+        # first requests routed as a burst started streaming) on the busy term, and
+        # extrapolated to a busier worker that was 1.2 s a busy request where 0.1 was
+        # right: a surge's traffic shed as 10-24 s late that started in 2-4 s
+        # (BENCHMARKS.md, (e)).
+        busy = min(busy, self._busiest)
         seconds = float(self.fit() @ np.array([1.0, blocks, prompt_blocks, busy]))
         return max(0.0, seconds) * float(self.of(number + 1)[number])
 
