@@ -158,6 +158,55 @@ def test_a_reset_or_a_restart_ends_what_finished_requests_left_assumed(emptied: 
     assert again is not None and again.matched_tokens == 32
 
 
+def test_a_reset_under_load_queues_the_prompts_its_requests_compute_again() -> None:
+    """A reset that emptied a cache while requests ran there preempted them (vLLM frees
+    no block a request holds): each computes its whole prompt again, ahead of new work.
+    The worker's queue counts them until they start (those not started), or until they
+    end or a request routed after the reset starts (those streaming); a second clear
+    counts nothing twice."""
+    clock = Clock()
+    r = router(workers=("a",), clock=clock)
+    a = r.index.worker_number("a")
+    streaming = r.route(PROMPT)  # 8 blocks
+    assert streaming is not None
+    r.started(streaming)
+    waiting = r.route(PROMPT)  # a sibling: finds the 8 blocks pending, prefills none
+    assert waiting is not None and waiting.prefill_blocks == 0
+    assert r.state.queued_blocks(a) == 0
+    clock.now += 0.01
+    r.apply_kv(kv("a", AllBlocksCleared()))
+    # Both compute all 8 blocks again: 16 blocks queued, and the load cost shows it.
+    assert r.state.queued_blocks(a) == 16
+    assert r.state.load[a] == pytest.approx(r.cost.load_cost(16, 1, 0, 0.0))
+    r.apply_kv(kv("a", AllBlocksCleared()))
+    assert r.state.queued_blocks(a) == 16
+    r.started(waiting)  # routed before the reset: only its own 8 go
+    assert r.state.queued_blocks(a) == 8
+    clock.now += 0.01
+    later = r.route(list(range(500, 533)))
+    assert later is not None and r.state.queued_blocks(a) == 16  # its own 8 more
+    r.started(later)  # routed after the reset: what the reset preempted was computed
+    assert r.state.queued_blocks(a) == 0
+    for request in (streaming, waiting, later):  # released already: nothing goes twice
+        r.finished(request)
+    assert r.state.queued_blocks(a) == 0
+    # A request still streaming when it ends takes its recompute with it.
+    again = r.route(list(range(600, 633)))
+    assert again is not None
+    r.started(again)
+    clock.now += 0.01
+    r.apply_kv(kv("a", AllBlocksCleared()))
+    assert r.state.queued_blocks(a) == 8
+    r.finished(again)
+    assert r.state.queued_blocks(a) == 0
+    # A restart is not a reset: its requests fail rather than compute again.
+    last = r.route(list(range(700, 733)))
+    assert last is not None
+    r.started(last)
+    r.apply_kv(Resync("a", 2, ResyncReason.NEW_EPOCH))
+    assert r.state.queued_blocks(a) == 0
+
+
 def test_a_loss_keeps_what_finished_requests_left_assumed() -> None:
     """Lost events (a gap) empty the index of that worker, not the engine's cache: the
     blocks a finished request left assumed stay for ``linger``."""

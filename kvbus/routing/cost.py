@@ -144,6 +144,9 @@ class Decision(msgspec.Struct, kw_only=True):
     """The affinity part of ``cost``."""
     routed_at: float = 0.0
     """When (the router's clock) it was routed."""
+    recompute_blocks: float = 0.0
+    """Blocks it computes again: it was streaming when its worker's cache was reset
+    (`kvbus.routing.in_flight.RequestsInFlight.requeue`)."""
     ahead_blocks: float = 0.0
     """Blocks of prefill ahead of its first token when routed: its own, those of this
     router's requests queued there before it, and the one token always computed."""

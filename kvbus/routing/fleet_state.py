@@ -351,14 +351,18 @@ class FleetState:
         for number in self.requests.expire(now):
             self.refresh(number)
 
-    def cleared(self, worker: str) -> None:
+    def cleared(self, worker: str, preempted: bool = False) -> None:
         """``worker``'s engine emptied its cache (a reset, a restart): the blocks its
         finished requests left assumed there (``linger``) are gone, as its events say.
         Requests still in flight keep theirs: they cache them after the clear. Its
         recent insertions no longer count in the eviction term: its next blocks go into
-        free room and evict nothing."""
+        free room and evict nothing. ``preempted`` (a reset, the engine still up): its
+        requests in flight compute their whole prompts again, queued ahead of new ones
+        (`kvbus.routing.in_flight.RequestsInFlight.requeue`)."""
         number = self.index.worker_number(worker)
-        self.requests.cleared(number)
+        self.requests.cleared(number, preempted)
+        if preempted:
+            self.refresh(number)
         windowed = self._windowed.pop(number, 0)
         if windowed:
             self._grow(number)

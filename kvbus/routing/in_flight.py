@@ -44,6 +44,8 @@ class Routed(Protocol):
     predicted_ttft: float
     peer: str
     """The replica that routed it ("" for this router)."""
+    recompute_blocks: float
+    """Blocks it computes again, streaming when its worker's cache was reset (set here)."""
 
 
 class RequestsInFlight:
@@ -73,6 +75,12 @@ class RequestsInFlight:
         """(until, worker) of requests of this router that ended less than ``linger``
         ago: the engine's next load record may still count them"""
         self._ended_count: dict[int, int] = {}
+        self._exposed: dict[int, dict[int, Routed]] = {}
+        """worker -> its requests in flight that a reset would make compute more (by
+        ``id``): each one routed there since its latest reset"""
+        self._recomputing: dict[int, tuple[float, list[Routed]]] = {}
+        """worker -> (when its cache was reset, its requests that were streaming then):
+        they compute their prompts again ahead of anything routed there after"""
         self._unstarted: dict[int, deque[Routed]] = {}
         """worker -> this router's own requests routed there, oldest first; those that
         started or ended are dropped when they reach the head. Not other replicas':
@@ -120,6 +128,7 @@ class RequestsInFlight:
         queued[1] += request.prefill_blocks
         if not request.peer:
             self._unstarted.setdefault(number, deque()).append(request)
+        self._exposed.setdefault(number, {})[id(request)] = request
         _add(self.pending, self.pending_masks, number, request.keys)
         width = self.index.window_blocks(number)
         if width:
@@ -142,14 +151,29 @@ class RequestsInFlight:
         queued[0] -= 1
         queued[1] = max(0.0, queued[1] - request.prefill_blocks)
         self._streaming[number] = self._streaming.get(number, 0) + 1
+        recomputing = self._recomputing.get(number)
+        if recomputing is not None and request.routed_at > recomputing[0]:
+            # vLLM puts what a reset preempted at the head of its waiting queue: a request
+            # routed after the reset that starts was computed after all of it.
+            del self._recomputing[number]
+            for preempted in recomputing[1]:
+                queued[1] = max(0.0, queued[1] - preempted.recompute_blocks)
+                preempted.recompute_blocks = 0.0
 
     def finished(self, request: Routed) -> None:
         """``request`` ended (any way): its prefix blocks stay pending for ``linger``
         seconds, but for those the engine's events already reported."""
         number = request.number
         request.ended = True
+        exposed = self._exposed.get(number)
+        if exposed is not None:
+            exposed.pop(id(request), None)
         if request.streaming:
             self._streaming[number] -= 1
+            if request.recompute_blocks:
+                queued = self._queued[number]
+                queued[1] = max(0.0, queued[1] - request.recompute_blocks)
+                request.recompute_blocks = 0.0
         else:
             queued = self._queued[number]
             queued[0] -= 1
@@ -190,10 +214,13 @@ class RequestsInFlight:
             changed.add(number)
         return changed
 
-    def cleared(self, number: int) -> None:
+    def cleared(self, number: int, preempted: bool = False) -> None:
         """Worker ``number``'s engine emptied its cache: what its finished requests left
         pending there is gone. Requests still in flight keep theirs: they cache them
-        after the clear."""
+        after the clear. ``preempted``: the engine is still up, and its requests in flight
+        compute their prompts again (`requeue`)."""
+        if preempted:
+            self.requeue(number)
         # A scan of the requests that ended within ``linger``, once per clear that finds
         # some: a flood of clears from one engine costs O(1) each after the first.
         if not self._finishing_on.pop(number, 0):
@@ -206,6 +233,33 @@ class RequestsInFlight:
             else:
                 kept.append((until, request))
         self._finishing = kept
+
+    def requeue(self, number: int) -> None:
+        """Worker ``number``'s cache was reset while requests ran there: vLLM frees no
+        block a request holds, so a reset that emptied the cache preempted every running
+        request (``reset_running_requests``), and each computes its prompt again, at the
+        head of the queue; those waiting lost the prefix they were to find. They count as
+        queued again with their whole prompts until they start (those not started), or
+        until they end or a request routed after the reset starts (those streaming).
+        Each request in flight is counted at most once per reset: a flood of clears
+        costs O(1) each after the first."""
+        exposed = self._exposed.pop(number, None)
+        if not exposed:
+            return
+        queued = self._queued.setdefault(number, [0, 0.0])
+        recomputing: list[Routed] = []
+        for request in exposed.values():
+            whole = float(len(request.keys))
+            if request.streaming:
+                request.recompute_blocks = whole
+                queued[1] += whole
+                recomputing.append(request)
+            else:
+                queued[1] += max(0.0, whole - request.prefill_blocks)
+                request.prefill_blocks = whole
+        if recomputing:
+            earlier = self._recomputing.get(number, (0.0, []))[1]
+            self._recomputing[number] = (self._clock(), earlier + recomputing)
 
     def _release(self, number: int, keys: list[int]) -> None:
         _drop(self.pending, self.pending_masks, number, keys)

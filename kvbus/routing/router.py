@@ -177,8 +177,8 @@ class Router:
                 self.state.cleared(item.source)
             return
         if item.kind == Kind.KV:  # its body left undecoded: the index read its payload
-            if self.index.clears != clears:  # an AllBlocksCleared
-                self.state.cleared(item.source)
+            if self.index.clears != clears:  # an AllBlocksCleared: a reset, still up
+                self.state.cleared(item.source, preempted=True)
             self.state.count_insertions(item.source)
         elif isinstance(item.body, SourceStopped):
             self.state.stopped(item.source, item.ts)
