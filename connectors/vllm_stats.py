@@ -201,4 +201,12 @@ class KvbusStatLogger(StatLoggerBase):
                     self._send()
 
     def log_engine_initialized(self) -> None:
-        pass
+        """vLLM calls this once the engine is up (its KV cache sized): the first load
+        record goes out now, so routers take a (re)started engine back at once. An idle
+        engine runs no step to record, and the heartbeat would tell them only after half
+        of ``KVBUS_METRICS_HEARTBEAT``; meanwhile the conversations it held went to
+        other workers, and stay there."""
+        if self.publisher is None:
+            return
+        with self._lock:
+            self._send()

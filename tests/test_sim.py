@@ -428,6 +428,25 @@ async def test_a_cache_reset_and_a_restart_reach_the_bus(sim: Sim, nats_server: 
     assert any(isinstance(i, Message) and isinstance(i.body, SourceStopped) for i in items)
 
 
+async def test_a_restarted_engine_sends_its_load_before_it_runs_a_step(
+    sim: Sim, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As vLLM's front end, the sim tells its stat logger the engine is up: the new
+    epoch's first load record is on the bus at once, not at the first heartbeat (routers
+    take an engine back on its first record; an idle one runs no step to record)."""
+    monkeypatch.setenv("KVBUS_METRICS_HEARTBEAT", "600")  # no heartbeat in this test
+    engine = sim.fleet.engines[1]
+    steps = engine.steps
+    status, _ = await sim.post(1, "/sim/restart")
+    assert status == 200
+    assert engine.flush(10)
+    records = await read_bus(nats_server.url, sim.source(1), "metrics")
+    newest = max(m.epoch for m in records)
+    loads = [m.body for m in records if m.epoch == newest and isinstance(m.body, LoadMetrics)]
+    assert engine.steps == steps and len(loads) == 1
+    assert loads[0].running == loads[0].waiting == 0 and loads[0].kv_cache_blocks > 0
+
+
 def test_vllms_zmq_events_carry_a_reset_with_the_next_step_as_vllms_own_do() -> None:
     """A sim engine's reset goes to the bus at once and to its ``--zmq-port`` publisher
     (what vllm-router kv_aware reads) at the head of the next step's batch, as vLLM's own

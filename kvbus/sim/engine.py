@@ -168,6 +168,8 @@ class SimEngine:
             if self.bus.url
             else None
         )
+        if self.stat_logger is not None:
+            self.stat_logger.log_engine_initialized()  # as vLLM's front end, once up
 
     async def _stop_core(self, why: str, executor: Executor | None) -> None:
         """Stop stepping, fail every request the core holds (on the loop: they wake
