@@ -258,7 +258,8 @@ class RequestsInFlight:
                 queued[1] += max(0.0, whole - request.prefill_blocks)
                 request.prefill_blocks = whole
         if recomputing:
-            earlier = self._recomputing.get(number, (0.0, []))[1]
+            # Those of an earlier reset that ended since hold nothing: not kept.
+            earlier = [r for r in self._recomputing.get(number, (0.0, []))[1] if r.recompute_blocks]
             self._recomputing[number] = (self._clock(), earlier + recomputing)
 
     def _release(self, number: int, keys: list[int]) -> None:

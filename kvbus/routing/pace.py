@@ -121,8 +121,8 @@ class WorkerPace:
         x = np.array([1.0, blocks, prompt_blocks, busy])
         d = self._decay
         self._xx = self._xx * d + np.outer(x, x)
-        self._busiest = max(busy, self._busiest * d)
         self._xy = self._xy * d + x * seconds
+        self._busiest = max(busy, self._busiest * d)
         self._grow(number)
         self._x[number] = self._x[number] * d + x
         self._seconds[number] = self._seconds[number] * d + seconds
