@@ -98,6 +98,54 @@ def test_a_pace_needs_samples_and_is_forgotten_on_restart() -> None:
     assert pace.of(1)[0] == 1.0
 
 
+def young_fleet(seed: int, slow: float, spread: float) -> WorkerPace:
+    """Eight workers read from their first 2-4 requests each (a warm-up's worth: one per
+    new prefix), hits and misses, some decoding alongside; worker 0 at ``slow`` times
+    the others' seconds, every one within ``spread`` of its own."""
+    pace, noise = WorkerPace(), random.Random(seed)
+    seen = [(w, noise.choice([1, 2, 5, 30, 57, 80, 120]), noise.randint(0, 10))
+            for w in range(8) for _ in range(noise.randint(2, 4))]  # fmt: skip
+    noise.shuffle(seen)
+    for worker, blocks, busy in seen:
+        seconds = (0.02 + 0.002 * blocks + 0.004 * busy) * noise.uniform(1 - spread, 1 + spread)
+        pace.observe(worker, seconds * (slow if worker == 0 else 1.0), blocks, busy)
+    return pace
+
+
+def test_a_slow_worker_is_read_from_its_first_requests_and_noise_alone_moves_no_pace() -> None:
+    """A fleet's first requests (one per new prefix) are where a slow worker is given
+    the prefixes it keeps: its pace must be known from them. A uniform fleet read from
+    as few stays at 1 unless its seconds stray further than the fit's noise explains."""
+    seeds = range(200)
+    paces = [young_fleet(seed, 2.0, 0.1).of(8) for seed in seeds]
+    found = sum(p[0] > 1.4 and set(p[1:]) == {1.0} for p in paces)
+    assert found >= 0.8 * len(seeds)
+    for spread in (0.1, 0.25):
+        misread = sum(set(young_fleet(seed, 1.0, spread).of(8)) != {1.0} for seed in seeds)
+        assert misread <= 0.02 * len(seeds), spread
+    # Noisier seconds (within 40%) widen the band: fewer misread than the deadband alone
+    # would (about a quarter of such fleets).
+    noisy = sum(set(young_fleet(seed, 1.0, 0.4).of(8)) != {1.0} for seed in seeds)
+    assert noisy <= 0.2 * len(seeds)
+
+
+def test_a_worker_is_read_slow_from_two_first_tokens_but_fast_only_from_min_fast() -> None:
+    """A slow reading takes traffic away; a fast one draws it, and from a few first
+    tokens on a saturated fleet that is as often a lucky moment as speed (the Mooncake
+    scenario lost goodput when two first tokens could read a worker fast)."""
+    noise, read_slow = random.Random(11), []
+    pace = WorkerPace()
+    for i in range(1, pace.min_fast + 1):
+        for worker, slowness in ((0, 0.5), (1, 2.0), (2, 1.0), (3, 1.0), (4, 1.0)):
+            blocks = noise.randint(1, 120)
+            pace.observe(worker, ttft(blocks, slowness, noise), blocks)
+        fast, slow = pace.of(5)[:2]
+        read_slow.append(slow)
+        assert fast == 1.0 if i < pace.min_fast else 0.4 < fast < 0.6, (i, fast)
+    # Slow as soon as the fleet's noise allows (two such workers make it noisy at first).
+    assert read_slow[0] == 1.0 and 1.5 < read_slow[pace.min_fast // 2 - 1] < 2.5, read_slow
+
+
 def slow_b_router(slowness_b: float) -> tuple[Router, Clock]:
     """Three workers; 60 sequential requests, 20 to each, whose first tokens come at
     b's ``slowness`` (a and c at 1)."""
@@ -220,7 +268,7 @@ def test_a_worker_read_slow_and_then_sent_nothing_is_read_again_after_stale_afte
     assert 1.5 < pace.of(4)[1] < 2.5  # 9 s after its last first token: still known slow
     clock.now += 1.0
     assert list(pace.of(4)) == [1.0, 1.0, 1.0, 1.0]
-    for _ in range(7):  # traffic again: read anew, from min_samples first tokens
+    for _ in range(pace.min_samples - 1):  # traffic again: read anew, from min_samples
         pace.observe(1, ttft(30, 2.0, noise), 30)
     assert pace.of(4)[1] == 1.0
     pace.observe(1, ttft(30, 2.0, noise), 30)

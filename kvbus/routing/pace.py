@@ -23,7 +23,17 @@ worker would read slow against it.
 
 Pace is 1 for a worker with fewer than ``min_samples`` observations or within a factor
 ``deadband`` of the median (noise must not move traffic on a uniform fleet), and
-within a factor ``limit``. A worker's observations are dropped ``stale_after`` seconds
+within a factor ``limit``. Two observations are enough: a fleet's first requests (one
+per new prefix) are where a slow worker is given the prefixes it keeps, so its pace must
+be known by then. With 8, an engine twice as slow was still read at the fleet's pace
+after the warm-up of the fleet bench's (f) (it had served 3-4 requests), kept the
+prefixes it got there and queued their traffic (`BENCHMARKS.md`). A worker read from
+few observations must stray further than the deadband when the fleet's seconds are
+noisy: past twice the fit's residual spread over the square root of their number
+(tests/test_pace.py). A worker reads *fast* only from ``min_fast`` observations: a fast
+reading draws traffic, and on a saturated fleet two first tokens that came quickly are as
+often a lull in its queue as speed (the Mooncake scenario (b) lost goodput when they
+could). A worker's observations are dropped ``stale_after`` seconds
 after its latest: a worker read slow draws little traffic, so nothing would read it
 again. Everything is from the caller's observations and clock: the same observations
 at the same times give the same paces.
@@ -40,6 +50,8 @@ import numpy as np
 import numpy.typing as npt
 
 _TERMS: Final = 4
+_NOISE_SIGMAS: Final = 2.0
+"""How many spreads of the fit's residuals a reading must stray to count (`_update`)."""
 HALF_LIFE: Final = 64.0
 """Observations after which one counts half (per worker, and for the fleet-wide fit)."""
 STALE_AFTER: Final = 10.0
@@ -53,7 +65,8 @@ class WorkerPace:
     def __init__(
         self,
         half_life: float = HALF_LIFE,
-        min_samples: int = 8,
+        min_samples: int = 2,
+        min_fast: int = 8,
         deadband: float = 1.4,
         limit: float = 4.0,
         min_fit: float = 32.0,
@@ -61,6 +74,7 @@ class WorkerPace:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.min_samples = min_samples
+        self.min_fast = min_fast
         self.min_fit = min_fit
         self.deadband = deadband
         self.limit = limit
@@ -71,6 +85,8 @@ class WorkerPace:
         # x = (1, blocks, prompt_blocks, busy).
         self._xx = np.zeros((_TERMS, _TERMS))
         self._xy = np.zeros(_TERMS)
+        self._yy = 0.0
+        """Decayed sum of squared seconds: with the two above, the fit's residuals."""
         # Per worker (by the index's number): decayed sums of x and of seconds (its
         # expected seconds are those sums times the fit as it is now, not as it was at
         # each observation), and how many observations.
@@ -122,6 +138,7 @@ class WorkerPace:
         d = self._decay
         self._xx = self._xx * d + np.outer(x, x)
         self._xy = self._xy * d + x * seconds
+        self._yy = self._yy * d + seconds * seconds
         self._busiest = max(busy, self._busiest * d)
         self._grow(number)
         self._x[number] = self._x[number] * d + x
@@ -166,9 +183,22 @@ class WorkerPace:
         self._last = np.concatenate([self._last, np.zeros(more)])
         self.paces = np.concatenate([self.paces, np.ones(more)])
 
+    def noise(self, fit: npt.NDArray[np.float64] | None = None) -> float:
+        """How far one observation strays from the fit, relative to the mean one: the
+        fit's residual spread (its decayed sums; the fit's four terms take four degrees
+        of freedom) over the mean seconds. Infinite until there are more observations
+        than terms."""
+        n = float(self._xx[0, 0])
+        if n <= _TERMS + 1 or self._xy[0] <= 0:
+            return math.inf
+        beta = self.fit() if fit is None else fit
+        residual = self._yy - 2.0 * float(beta @ self._xy) + float(beta @ self._xx @ beta)
+        return math.sqrt(max(residual, 0.0) / (n - _TERMS)) / (float(self._xy[0]) / n)
+
     def _update(self) -> None:
         """Every worker's pace under the fit as it is now (O(workers), vectorised)."""
-        expected = self._x @ self.fit()
+        fit = self.fit()
+        expected = self._x @ fit
         known = (self._count >= self.min_samples) & (expected > 0)
         paces = np.ones(len(self._count))
         if known.any():
@@ -179,9 +209,16 @@ class WorkerPace:
             # the lower one, the faster of two reads 1 and the slower its ratio.
             typical = float(np.sort(readings)[(len(readings) - 1) // 2])
             if typical > 0:
-                paces[known] = np.clip(readings / typical, 1.0 / self.limit, self.limit)
-        paces[(paces <= self.deadband) & (paces >= 1.0 / self.deadband)] = 1.0
-        self.paces = paces
+                paces[known] = readings / typical
+        # A reading counts once it is past what noise explains: the deadband, or twice
+        # the observations' spread shrunk by how many the worker's reading rests on,
+        # whichever is wider (a worker read from its first two requests must stray
+        # further than one read from a hundred).
+        spread = _NOISE_SIGMAS * self.noise(fit) / np.sqrt(np.maximum(self._count, 1.0))
+        band = np.exp(np.maximum(math.log(self.deadband), np.minimum(spread, 50.0)))
+        paces[(paces <= band) & (paces >= 1.0 / band)] = 1.0
+        paces[(paces < 1.0) & (self._count < self.min_fast)] = 1.0
+        self.paces = np.clip(paces, 1.0 / self.limit, self.limit)
         held = self._count > 0
         self._expires = float(self._last[held].min()) + self.stale_after if held.any() else math.inf
 
