@@ -183,15 +183,14 @@ class WorkerPace:
         self._last = np.concatenate([self._last, np.zeros(more)])
         self.paces = np.concatenate([self.paces, np.ones(more)])
 
-    def noise(self, fit: npt.NDArray[np.float64] | None = None) -> float:
-        """How far one observation strays from the fit, relative to the mean one: the
-        fit's residual spread (its decayed sums; the fit's four terms take four degrees
-        of freedom) over the mean seconds. Infinite until there are more observations
-        than terms."""
+    def _noise(self, beta: npt.NDArray[np.float64]) -> float:
+        """How far one observation strays from the fit ``beta``, relative to the mean
+        one: the fit's residual spread (its decayed sums; the fit's four terms take four
+        degrees of freedom) over the mean seconds. Infinite until there are more
+        observations than terms."""
         n = float(self._xx[0, 0])
         if n <= _TERMS + 1 or self._xy[0] <= 0:
             return math.inf
-        beta = self.fit() if fit is None else fit
         residual = self._yy - 2.0 * float(beta @ self._xy) + float(beta @ self._xx @ beta)
         return math.sqrt(max(residual, 0.0) / (n - _TERMS)) / (float(self._xy[0]) / n)
 
@@ -214,7 +213,7 @@ class WorkerPace:
         # the observations' spread shrunk by how many the worker's reading rests on,
         # whichever is wider (a worker read from its first two requests must stray
         # further than one read from a hundred).
-        spread = _NOISE_SIGMAS * self.noise(fit) / np.sqrt(np.maximum(self._count, 1.0))
+        spread = _NOISE_SIGMAS * self._noise(fit) / np.sqrt(np.maximum(self._count, 1.0))
         band = np.exp(np.maximum(math.log(self.deadband), np.minimum(spread, 50.0)))
         paces[(paces <= band) & (paces >= 1.0 / band)] = 1.0
         paces[(paces < 1.0) & (self._count < self.min_fast)] = 1.0
