@@ -21,7 +21,8 @@ e. sibling bursts: 8 requests with the same new long prompt at once (best-of-N, 
 c. an engine restart (``POST /sim/restart``) and a prefix-cache reset of another engine
    (``POST /reset_prefix_cache?reset_running_requests=true``: the requests it runs are
    preempted and recompute, as on vLLM) mid-run, under shared-prefix traffic;
-f. one engine twice as slow as the others (``kvbus sim --slow``), shared-prefix traffic;
+f. one engine twice as slow as the others (``kvbus sim --slow``), shared-prefix traffic
+   at a rate where its speed matters (``--slow-rate``);
 d. three router replicas: kvbus's share requests in flight on the bus
    (``--routes-stream``), the peers' are independent instances; requests alternate
    between them (the burst workload of e);
@@ -47,10 +48,10 @@ or this client; over ~70% it, not the routing, limits TTFT) and the machine's.
 
 The vllm-router runs go on a fleet of their own at a quarter of ``--speedup``
 (``--speedup-for``): vllm-router renders each prompt on every engine, which on one sim
-process costs 8 tokenizations a request. Time on 2 cores: about 28 min for (a) and (e),
-as long again for the other four (the vllm-router rows take about 60% of it); ``--quick``
-runs (a) and (e) once, half as long (about 7 min; all six scenarios so, 30 min);
-``--routers`` picks fewer.
+process costs 8 tokenizations a request. Time on 2 cores: about 10 min a scenario for
+kv and the two cache-aware peers at three repetitions, (b) longer (the vllm-router rows
+take about 60% of it); ``--quick`` runs (a) and (e) once, a sixth as long (about 7 min;
+all six scenarios so, 30 min); ``--routers`` picks fewer.
 
     python bench/bench_fleet_routing.py [--quick] [--scenarios a,e,c,f,d,b]
         [--routers kv,round_robin,sglang-cache_aware,...] [--repetitions N] [--json FILE]
@@ -574,16 +575,17 @@ def steady_plan(
     workload: SharedPrefix,
     key: str,
     repetition: int,
+    rate: float,
     marks: Sequence[tuple[str, float]] = (),
 ) -> Plan:
-    """After a warm-up, shared-prefix traffic at ``--steady-rate`` for ``--run-seconds``,
-    in stages that start at ``marks`` ((name, share of the run)) after a first one,
+    """After a warm-up, shared-prefix traffic at ``rate`` for ``--run-seconds``, in
+    stages that start at ``marks`` ((name, share of the run)) after a first one,
     "steady"."""
     rng = random.Random(f"{key}:{repetition}")
     arrivals, stages = warm_up(rng, workload, args.warmup_rate)
     begin = stages[0][2]
     end = begin + args.run_seconds
-    steady = workload.poisson(rng, args.steady_rate, begin, end, "")
+    steady = workload.poisson(rng, rate, begin, end, "")
     starts = [
         ("steady", begin),
         *((name, begin + share * args.run_seconds) for name, share in marks),
@@ -602,7 +604,7 @@ def scenario_c(args: argparse.Namespace) -> Scenario:
 
     def plan(repetition: int) -> Plan:
         marks = [("restarted", 1 / 3), ("reset", 2 / 3)]
-        plan = steady_plan(args, workload, "c", repetition, marks)
+        plan = steady_plan(args, workload, "c", repetition, args.steady_rate, marks)
         # Engine 0 restarts a third into the run, engine 1's cache is reset at two thirds.
         at = {name: begin for name, begin, _ in plan.stages}
         plan.actions = [(at["restarted"], "restart", 0), (at["reset"], "reset", 1)]
@@ -620,8 +622,8 @@ def scenario_f(args: argparse.Namespace) -> Scenario:
     workload, blocks = shared_prefix_setup(args, args.engines)
     return Scenario(
         "f", f"engine sim-0 {args.slow_factor:g}x slower than the others "
-        f"(kvbus sim --slow), shared-prefix traffic at {args.steady_rate:g} req/s",
-        args.engines, blocks, lambda r: steady_plan(args, workload, "f", r),
+        f"(kvbus sim --slow), shared-prefix traffic at {args.slow_rate:g} req/s",
+        args.engines, blocks, lambda r: steady_plan(args, workload, "f", r, args.slow_rate),
         sim_args=("--slow", f"0={args.slow_factor:g}"),
     )  # fmt: skip
 
@@ -846,7 +848,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--quick", action="store_true",
-        help="a few minutes: (a) and (e) unless --scenarios, 1 repetition, half as long",
+        help="a few minutes: (a) and (e) unless --scenarios, 1 repetition, stages and "
+        "runs a sixth as long",
     )  # fmt: skip
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument(
@@ -874,7 +877,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--question-tokens", type=int, default=300)
     parser.add_argument("--pressure", type=float, default=0.73, help="working set / fleet KV")
     parser.add_argument("--ladder", default="150,300,450,600", help="(a): rates, simulated req/s")
-    parser.add_argument("--stage-seconds", type=float, default=0.2, help="(a): simulated")
+    parser.add_argument(
+        "--stage-seconds", type=float, default=0.6,
+        help="(a): simulated (at 0.2 s, its 150/s stage had 23-36 requests)",
+    )  # fmt: skip
     parser.add_argument(
         "--warmup-rate", type=float, default=80.0,
         help="(a): each group's first request at this rate (req/s) before the ladder",
@@ -883,9 +889,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burst-tokens", type=int, default=1800)
     parser.add_argument("--burst-rate", type=float, default=10.0, help="bursts per simulated s")
     parser.add_argument("--background-rate", type=float, default=200.0, help="(d, e): req/s")
-    parser.add_argument("--run-seconds", type=float, default=0.8, help="(c-f): simulated")
-    parser.add_argument("--steady-rate", type=float, default=300.0, help="(c, f): req/s")
+    parser.add_argument(
+        "--run-seconds", type=float, default=2.4,
+        help="(c-f): simulated (a p90 over a stage of 0.8 s, about 60 requests, moved by "
+        "up to 80 ms between runs of one router on one plan)",
+    )  # fmt: skip
+    parser.add_argument("--steady-rate", type=float, default=300.0, help="(c): req/s")
     parser.add_argument("--slow-factor", type=float, default=2.0, help="(f)")
+    parser.add_argument(
+        "--slow-rate", type=float, default=650.0,
+        help="(f): req/s (at 300 the slow engine keeps up and every router ties; at 650 "
+        "it doubled sglang-router's TTFT p90: 258 ms, against 114 on a uniform fleet)",
+    )  # fmt: skip
     parser.add_argument("--replicas", type=int, default=3, help="(d)")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="(b)")
     parser.add_argument("--trace-start", type=float, default=0.0, help="(b): seconds")
@@ -940,8 +955,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.repetitions = 1
         args.scenarios = args.scenarios or "a,e"
-        args.stage_seconds /= 2
-        args.run_seconds /= 2
+        args.stage_seconds /= 6  # 0.1 s
+        args.run_seconds /= 6  # 0.4 s: a few minutes for the demo's (c) and (d)
         args.trace_share /= 2
     args.scenarios = args.scenarios or "a,e,c,f,d,b"
     return args
