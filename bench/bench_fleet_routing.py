@@ -891,8 +891,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--background-rate", type=float, default=200.0, help="(d, e): req/s")
     parser.add_argument(
         "--run-seconds", type=float, default=2.4,
-        help="(c-f): simulated (a p90 over a stage of 0.8 s, about 60 requests, moved by "
-        "up to 80 ms between runs of one router on one plan)",
+        help="(c-f): simulated (at 0.8 s a stage had 60-255 requests, and one router's p90 "
+        "moved by up to 80 ms between runs of one plan)",
     )  # fmt: skip
     parser.add_argument("--steady-rate", type=float, default=300.0, help="(c): req/s")
     parser.add_argument("--slow-factor", type=float, default=2.0, help="(f)")
