@@ -622,6 +622,16 @@ def engine_behind_router(
         engine.stop()
 
 
+def kv_steps(nats_url: str, source: str) -> list[tuple[int, float]]:
+    """(seq, engine step time) of each kv batch ``source`` published, as read back from
+    the bus by ``kvbus tail``."""
+    kvbus = str(Path(sys.executable).parent / "kvbus")
+    tail = [kvbus, "tail", "--url", nats_url, "--source", source, "--no-follow"]
+    out = subprocess.run(tail, capture_output=True, check=True, timeout=60).stdout
+    items = [json.loads(line) for line in out.splitlines() if line.startswith(b"{")]
+    return [(m["seq"], m["body"]["ts"]) for m in items if m.get("kind") == "kv"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     commands = parser.add_subparsers(dest="command", required=True)

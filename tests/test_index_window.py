@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvbus import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbus import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvbus.routing.index import PrefixIndex
 from kvbus.routing.index_window import _window_ands
 
@@ -205,6 +205,63 @@ def test_a_request_just_routed_leaves_the_windows_vllm_keeps_pending() -> None:
     for decision in (first, turn, sibling, stranger, aligned, again):
         r.finished(decision)
     r.state.expire(1e12)  # long after: nothing pending any more
+    assert not r.state.window_pending_masks and not r.state.pending_masks
+
+
+def test_a_finished_requests_pending_blocks_give_way_to_the_engines_events() -> None:
+    """A request that ends before its engine's events come leaves its blocks pending
+    (its prompt in full attention; in a mamba group, the states vLLM's retention keeps
+    by rule) only until the events report its last block: from then on the index says
+    what the engine kept, and what it evicted since. Under load a router saw its
+    events late and, for the rest of ``linger``, predicted states the engine had not
+    kept (a real Qwen3-Next engine, test_router_window)."""
+    from kvbus import Kind, LoadMetrics, Message
+    from kvbus.routing.router import Router
+
+    r = Router(block_size=BLOCK, seed=1)
+    record = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0)
+    r.apply_metrics(Message("m/dp0", 1, 1, Kind.METRICS, 0.0, record, b"", 0))
+
+    def engine(*events: object) -> None:
+        batch = KVEventBatch(0.0, list(events))  # type: ignore[arg-type]
+        r.apply_kv(Message("m/dp0", 1, 1, Kind.KV, 0.0, batch, b"", 0))
+
+    # A served: its four blocks, and its state at the end of block 3 in two groups.
+    engine(
+        *(mamba([103], g, A[: 4 * BLOCK]) for g in range(2)),
+        full([100, 101, 102, 103], blocks(A, 0, 4)),
+    )
+    b = [*A[: 3 * BLOCK], *range(2000, 2000 + 2 * BLOCK + 5)]  # A's 3 blocks, 2 new
+    turn = [*b, *range(3000, 3040)]
+    sibling = [*A[: 3 * BLOCK], *range(4000, 4070)]
+
+    def predicted() -> tuple[int, int]:
+        """The turn's and the sibling's predictions, neither routed (a router's shed
+        decisions take nothing): what ``b`` left, alone."""
+        r.shed_after = -1.0
+        turned, sided = r.route(turn), r.route(sibling)
+        r.shed_after = None
+        assert turned is not None and sided is not None and turned.shed and sided.shed
+        return turned.predicted_cached_tokens, sided.predicted_cached_tokens
+
+    first = r.route(b)
+    assert first is not None and first.window_ends == [5, 3]
+    r.finished(first)  # before any event of it
+    assert predicted() == (160, 96)  # the rule: replay boundary, junction
+    # Its events: blocks 3-4, and a state at block 3 only (not the rule's).
+    states = [mamba([104], g, b[: 4 * BLOCK]) for g in range(2)]
+    engine(*states, full([104, 105], blocks(b, 3, 5), parent=102))
+    assert predicted() == (128, 0)
+    engine(BlockRemoved([105, 104], "GPU"))  # evicted at once
+    assert predicted() == (0, 0)
+    assert not r.index._awaited and not r.state.requests._awaiting
+    # A request whose events never come lingers, and is forgotten, as before.
+    lost = r.route([*range(9000, 9000 + 3 * BLOCK)])
+    assert lost is not None
+    r.finished(lost)
+    assert r.index._awaited
+    r.state.expire(1e12)
+    assert not r.index._awaited and not r.state.requests._awaiting
     assert not r.state.window_pending_masks and not r.state.pending_masks
 
 

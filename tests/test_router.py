@@ -77,6 +77,20 @@ def test_the_worker_holding_the_prefix_wins_and_predicts_the_engines_count() -> 
     assert (whole.matched_tokens, whole.predicted_cached_tokens) == (12, 8)
 
 
+def test_a_decision_names_the_latest_events_of_its_worker_it_was_made_from() -> None:
+    """``Decision.kv_seq`` (the ``x-kvbus-kv-seq`` header): the seq of the worker's
+    latest kv message applied, -1 before any; another worker's do not count."""
+    r = router()
+    first = r.route(PROMPT)
+    assert first is not None and first.kv_seq == -1
+    for seq, source in ((1, "b"), (2, "b"), (7, "a")):
+        item = kv(source, stored([10 + seq], PROMPT[:4]))
+        r.apply_kv(Message(source, 1, seq, Kind.KV, 0.0, item.body, b"", 0))
+    r.finished(first)
+    held = r.route(PROMPT)  # a and b hold the first block; the rest is a tie
+    assert held is not None and held.kv_seq == {"a": 7, "b": 2}[held.worker]
+
+
 def test_load_outweighs_a_short_prefix_per_the_weights() -> None:
     r = router(weights=CostWeights(prefill=1, eviction=0, waiting=4, running=2))
     r.apply_kv(kv("b", stored([1], PROMPT[:4])))  # saves b one block of prefill

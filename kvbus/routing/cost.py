@@ -144,6 +144,10 @@ class Decision(msgspec.Struct, kw_only=True):
     """The affinity part of ``cost``."""
     routed_at: float = 0.0
     """When (the router's clock) it was routed."""
+    kv_seq: int = -1
+    """The seq of the worker's latest kv message applied when routed (-1: none yet): a
+    prediction that missed what the engine found was made from the events up to it
+    (``x-kvbus-kv-seq``); those published after it were still on their way."""
     recompute_blocks: float = 0.0
     """Blocks it computes again: it was streaming when its worker's cache was reset
     (`kvbus.routing.in_flight.RequestsInFlight.requeue`)."""

@@ -9,8 +9,11 @@ worker from the moment it is routed (``pending``, and ``pending_masks`` in the i
 holder-mask form, which `kvbus.routing.cost.CostModel` matches beside the index), so
 that a burst of similar requests does not all miss before the engine's events arrive.
 When it ends, the keys the engine's events already reported are the index's business;
-the rest stay pending for ``linger`` seconds, or until the engine's cache empties
-(`RequestsInFlight.cleared`).
+the rest stay pending until the events report its last block (`RequestsInFlight.stored`),
+for ``linger`` seconds at most, or until the engine's cache empties
+(`RequestsInFlight.cleared`). Once reported, the index alone tells what the engine kept:
+a hybrid model's sparse groups keep fewer states than the rule pending assumes, and an
+engine may evict a block while the router still lingers on it.
 
 `kvbus.routing.fleet_state.FleetState` owns one and turns these counts into each
 worker's load cost; nothing here reads a clock but the caller's.
@@ -71,6 +74,9 @@ class RequestsInFlight:
         self._finishing: deque[tuple[float, Routed]] = deque()
         self._finishing_on: dict[int, int] = {}
         """worker -> its requests in ``_finishing`` (a clear of a worker with none is O(1))"""
+        self._awaiting: dict[int, dict[int, dict[int, Routed]]] = {}
+        """worker -> {the last block key of a request in ``_finishing`` -> those requests
+        (by ``id``)}: the index tells when the engine's events store it (`stored`)"""
         self._ended: deque[tuple[float, int]] = deque()
         """(until, worker) of requests of this router that ended less than ``linger``
         ago: the engine's next load record may still count them"""
@@ -192,8 +198,49 @@ class RequestsInFlight:
             request.keys = unconfirmed  # its window keys linger with them
             self._finishing.append((now + self.linger, request))
             self._finishing_on[number] = self._finishing_on.get(number, 0) + 1
+            # Its deepest block is stored in the step that ended its prefill, with (or
+            # after) the states its sparse groups kept: until the events report it,
+            # what it left pending stands for them.
+            key = unconfirmed[-1]
+            waiting = self._awaiting.setdefault(number, {}).setdefault(key, {})
+            waiting[id(request)] = request
+            self.index.await_store(number, key)
         else:  # the engine's events told (the window group's came in the same batch)
             self._release_window(request)
+
+    def stored(self, arrived: list[tuple[int, int]]) -> None:
+        """The engine's events stored these ``(worker, key)`` (`PrefixIndex.take_arrived`):
+        the requests that ended waiting for them leave their pending keys to the index,
+        which now knows what the engine kept of them, and what it evicted since."""
+        for number, key in arrived:
+            waiting = self._awaiting.get(number)
+            requests = waiting.pop(key, None) if waiting is not None else None
+            if requests is None:
+                continue
+            if not waiting:
+                del self._awaiting[number]
+            for request in requests.values():
+                self._release(number, request.keys)
+                self._release_window(request)
+                request.keys = []  # released: its linger's end finds nothing left
+
+    def _unawait(self, request: Routed) -> None:
+        """``request`` lets go of its pending keys otherwise (its linger ended, its
+        worker's cache emptied): the index need not tell of its last block."""
+        if not request.keys:
+            return
+        number, key = request.number, request.keys[-1]
+        waiting = self._awaiting.get(number)
+        if waiting is None:
+            return
+        requests = waiting.get(key)
+        if requests is None or requests.pop(id(request), None) is None:
+            return
+        if not requests:
+            del waiting[key]
+            self.index.forget_await(number, key)
+            if not waiting:
+                del self._awaiting[number]
 
     def expire(self, now: float) -> set[int]:
         """Let go of what ended more than ``linger`` seconds before ``now``; returns
@@ -205,6 +252,7 @@ class RequestsInFlight:
                 self._finishing_on[request.number] = left
             else:
                 self._finishing_on.pop(request.number, None)
+            self._unawait(request)
             self._release(request.number, request.keys)
             self._release_window(request)
         changed: set[int] = set()
@@ -228,6 +276,7 @@ class RequestsInFlight:
         kept: deque[tuple[float, Routed]] = deque()
         for until, request in self._finishing:
             if request.number == number:
+                self._unawait(request)
                 self._release(number, request.keys)
                 self._release_window(request)
             else:

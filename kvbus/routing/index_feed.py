@@ -241,6 +241,8 @@ class _Feeding(_Windows):
                 state.resident += len(keys)
         else:
             state.add_copies(self._masks, keys, shift)
+        if self._awaited and not self._awaited.keys().isdisjoint(keys):
+            self._note_arrivals(state.number, keys)
         self._cap(worker, state)
 
     def _plain_keys(self, data: bytes, parent: int, block_size: int) -> list[int]:

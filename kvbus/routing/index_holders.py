@@ -236,6 +236,10 @@ class _Holders:
         self.other_groups = 0
         """Blocks of groups neither full-attention, sliding-window nor mamba (chunked
         local attention) skipped, stored or removed."""
+        self._awaited: dict[int, int] = {}
+        """router key -> mask of the workers a feeder waits to see store it (`await_store`)"""
+        self.arrived: list[tuple[int, int]] = []
+        """(worker number, key) of awaited stores applied since `take_arrived`"""
 
     @property
     def block_size(self) -> int | None:
@@ -277,6 +281,33 @@ class _Holders:
 
     def workers(self) -> list[str]:
         return list(self._workers)
+
+    def await_store(self, number: int, key: int) -> None:
+        """Note in `arrived` when worker ``number`` next stores ``key``: a feeder that
+        assumed the block there learns that the engine's events caught up with it."""
+        self._awaited[key] = self._awaited.get(key, 0) | 1 << number
+
+    def forget_await(self, number: int, key: int) -> None:
+        """No longer wait for worker ``number`` to store ``key``."""
+        mask = self._awaited.get(key, 0) & ~(1 << number)
+        if mask:
+            self._awaited[key] = mask
+        else:
+            self._awaited.pop(key, None)
+
+    def take_arrived(self) -> list[tuple[int, int]]:
+        """The awaited stores applied since the last call (each awaited once)."""
+        arrived, self.arrived = self.arrived, []
+        return arrived
+
+    def _note_arrivals(self, number: int, keys: list[int]) -> None:
+        """Of ``keys`` just stored on worker ``number``, those awaited there."""
+        bit = 1 << number
+        for key in keys:
+            mask = self._awaited.get(key, 0)
+            if mask & bit:
+                self.forget_await(number, key)
+                self.arrived.append((number, key))
 
     def holds(self, worker: str, key: int) -> bool:
         state = self._workers.get(worker)

@@ -86,6 +86,8 @@ class Router:
         self.state = FleetState(self.index, clock, stale_after, linger, self.cost.load_cost)
         self.replica_requests = PeerRequests(peer_timeout)
         self._requests = itertools.count(1)
+        self.kv_seq: dict[str, int] = {}
+        """source -> seq of its latest kv stream message applied (`Decision.kv_seq`)"""
 
     # --- settings and counters (kept by the parts) -----------------------------------
 
@@ -171,12 +173,16 @@ class Router:
         holds what this router's finished requests left assumed there."""
         clears = self.index.clears
         self.index.apply(item)
+        if isinstance(item, Message):
+            self.kv_seq[item.source] = item.seq
         if isinstance(item, Resync):
             if item.reason is ResyncReason.NEW_EPOCH:  # restarted: maybe elsewhere
                 self.state.pace.forget(self.index.worker_number(item.source))
                 self.state.cleared(item.source)
             return
         if item.kind == Kind.KV:  # its body left undecoded: the index read its payload
+            if self.index.arrived:  # stores that ended requests' lingering
+                self.state.requests.stored(self.index.take_arrived())
             if self.index.clears != clears:  # an AllBlocksCleared: a reset, still up
                 self.state.cleared(item.source, preempted=True)
             self.state.count_insertions(item.source)
@@ -242,6 +248,7 @@ class Router:
         if decision is None:
             return None
         decision.routed_at = now
+        decision.kv_seq = self.kv_seq.get(decision.worker, -1)
         decision.ahead_blocks = (
             self.state.queued_blocks(decision.number) + decision.prefill_blocks + 1
         )

@@ -6,7 +6,8 @@ and load then arrive as sources ``NAME/dp<rank>``. The router follows both strea
 tokenizes each request as vLLM does (the chat template for chat), asks `kvbus.routing.router`
 which worker to use, and forwards the request there unchanged (data-parallel rank in
 vLLM's ``X-data-parallel-rank`` header); the response, streamed or not, comes back
-unchanged. ``x-kvbus-worker`` and ``x-kvbus-predicted-cached-tokens`` headers are added.
+unchanged. ``x-kvbus-worker``, ``x-kvbus-predicted-cached-tokens`` and ``x-kvbus-kv-seq``
+(the worker's latest kv batch applied when routed) headers are added.
 
     kvbus router --port 8000 --url nats://127.0.0.1:4222 \\
         --worker a=http://127.0.0.1:8001 --worker b=http://127.0.0.1:8002 --policy kv

@@ -314,6 +314,7 @@ class Upstream:
                 response.headers[key] = value
         response.headers["x-kvbus-worker"] = decision.worker
         response.headers["x-kvbus-predicted-cached-tokens"] = str(decision.predicted_cached_tokens)
+        response.headers["x-kvbus-kv-seq"] = str(decision.kv_seq)
 
     async def _reply(
         self,
