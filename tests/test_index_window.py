@@ -218,7 +218,7 @@ def test_a_finished_requests_pending_blocks_give_way_to_the_engines_events() -> 
     from kvbus import Kind, LoadMetrics, Message
     from kvbus.routing.router import Router
 
-    r = Router(block_size=BLOCK, seed=1)
+    r = Router(block_size=BLOCK, seed=1, clock=lambda: 1000.0)  # nothing expires by itself
     record = LoadMetrics(ts=0.0, running=0, waiting=0, kv_cache_usage=0.0)
     r.apply_metrics(Message("m/dp0", 1, 1, Kind.METRICS, 0.0, record, b"", 0))
 
@@ -261,6 +261,23 @@ def test_a_finished_requests_pending_blocks_give_way_to_the_engines_events() -> 
     r.finished(lost)
     assert r.index._awaited
     r.state.expire(1e12)
+    assert not r.index._awaited and not r.state.requests._awaiting
+    assert not r.state.window_pending_masks and not r.state.pending_masks
+    # Two requests of one prompt end before its events: one store releases both.
+    prompt = [*range(8000, 8000 + 3 * BLOCK)]
+    twins = [r.route(prompt), r.route(prompt)]
+    assert twins[0] is not None and twins[1] is not None
+    keys = set(twins[0].keys)
+    for twin in twins:
+        r.finished(twin)
+    assert keys <= r.state.pending_masks.keys()
+    engine(full([300, 301, 302], prompt))
+    assert not r.state.requests._awaiting and not keys & r.state.pending_masks.keys()
+    # A cache emptied forgets what waited on it.
+    lost = r.route([*range(9000, 9000 + 3 * BLOCK)])
+    assert lost is not None
+    r.finished(lost)
+    engine(AllBlocksCleared())
     assert not r.index._awaited and not r.state.requests._awaiting
     assert not r.state.window_pending_masks and not r.state.pending_masks
 

@@ -87,8 +87,11 @@ def test_a_decision_names_the_latest_events_of_its_worker_it_was_made_from() -> 
         item = kv(source, stored([10 + seq], PROMPT[:4]))
         r.apply_kv(Message(source, 1, seq, Kind.KV, 0.0, item.body, b"", 0))
     r.finished(first)
-    held = r.route(PROMPT)  # a and b hold the first block; the rest is a tie
-    assert held is not None and held.kv_seq == {"a": 7, "b": 2}[held.worker]
+    on_a, on_b = r.route(PROMPT, exclude={"b"}), r.route(PROMPT, exclude={"a"})
+    assert on_a is not None and on_b is not None and (on_a.kv_seq, on_b.kv_seq) == (7, 2)
+    r.apply_kv(Resync("b", 2, ResyncReason.NEW_EPOCH))  # b restarted: its seqs start again
+    on_b = r.route(PROMPT, exclude={"a"})
+    assert on_b is not None and on_b.kv_seq == -1
 
 
 def test_load_outweighs_a_short_prefix_per_the_weights() -> None:

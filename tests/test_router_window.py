@@ -109,12 +109,15 @@ def test_predictions_match_a_hybrid_engine(
     # applied it (``x-kvbus-kv-seq``, the latest it had) when it routed. On a loaded
     # machine (a full CI run) that was 2-5 of 32 on the mamba model; the predictions
     # made from every event sent before must all be exact.
+    time.sleep(1.0)  # the last batches onto the stream
     steps = kv_steps(nats_server.url, basis[0][1])
     late = [
         any(seq > applied and ts < at for seq, ts in steps) for at, _, applied in basis
     ]  # fmt: skip
     wrong = [(i, said[i], late[i]) for i, (_, p, r) in enumerate(seen) if p != r]
     assert all(late_events for *_, late_events in wrong), wrong
-    assert sum(late) <= 0.5 * len(late), wrong  # the events are not late as a rule
+    # And few late ones: the soak (bench/soak_hybrid_predictions.py) had at most 5 of
+    # 32 wrong a round with two busy loops beside the engine.
+    assert len(wrong) <= 0.25 * len(seen), wrong
     # Turns found their history.
     assert sum(reported > 0 for kind, _, reported in seen if kind == "turn") >= 8, said

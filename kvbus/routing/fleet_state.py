@@ -16,7 +16,8 @@ fleet capacity of them. Capacity is each engine's ``LoadMetrics.kv_cache_blocks`
 the most blocks it was seen holding).
 
 A request just routed adds its prompt's blocks to that worker's prefix at once
-(until it finishes, plus ``linger`` seconds or until the engine's cache empties), so a
+(until it finishes, then until the engine's events report them, ``linger`` seconds at
+most, or until the engine's cache empties), so a
 burst of similar requests does not all miss before the engine's events arrive. A worker
 stops receiving traffic when its metrics are older than ``stale_after`` seconds (the
 stat logger beats every 2 s), when it stops (`SourceStopped`), or for ``seconds`` after

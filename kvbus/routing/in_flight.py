@@ -167,8 +167,9 @@ class RequestsInFlight:
                 preempted.recompute_blocks = 0.0
 
     def finished(self, request: Routed) -> None:
-        """``request`` ended (any way): its prefix blocks stay pending for ``linger``
-        seconds, but for those the engine's events already reported."""
+        """``request`` ended (any way): its prefix blocks the engine's events have not
+        reported yet stay pending until they do (`stored`), ``linger`` seconds at most,
+        or until its worker's cache empties (`cleared`)."""
         number = request.number
         request.ended = True
         exposed = self._exposed.get(number)
@@ -200,7 +201,9 @@ class RequestsInFlight:
             self._finishing_on[number] = self._finishing_on.get(number, 0) + 1
             # Its deepest block is stored in the step that ended its prefill, with (or
             # after) the states its sparse groups kept: until the events report it,
-            # what it left pending stands for them.
+            # what it left pending stands for them. (Where another request stored that
+            # block, whose events are late too, its batch may come first: this one's
+            # states then count from its own batch, a step later.)
             key = unconfirmed[-1]
             waiting = self._awaiting.setdefault(number, {}).setdefault(key, {})
             waiting[id(request)] = request

@@ -236,8 +236,8 @@ class _Holders:
         self.other_groups = 0
         """Blocks of groups neither full-attention, sliding-window nor mamba (chunked
         local attention) skipped, stored or removed."""
-        self._awaited: dict[int, int] = {}
-        """router key -> mask of the workers a feeder waits to see store it (`await_store`)"""
+        self._awaited: dict[int, set[int]] = {}
+        """worker number -> the keys a feeder waits to see it store (`await_store`)"""
         self.arrived: list[tuple[int, int]] = []
         """(worker number, key) of awaited stores applied since `take_arrived`"""
 
@@ -284,16 +284,17 @@ class _Holders:
 
     def await_store(self, number: int, key: int) -> None:
         """Note in `arrived` when worker ``number`` next stores ``key``: a feeder that
-        assumed the block there learns that the engine's events caught up with it."""
-        self._awaited[key] = self._awaited.get(key, 0) | 1 << number
+        assumed the block there learns that the engine's events caught up with it. The
+        feeder takes them (`take_arrived`) after each item it applies."""
+        self._awaited.setdefault(number, set()).add(key)
 
     def forget_await(self, number: int, key: int) -> None:
         """No longer wait for worker ``number`` to store ``key``."""
-        mask = self._awaited.get(key, 0) & ~(1 << number)
-        if mask:
-            self._awaited[key] = mask
-        else:
-            self._awaited.pop(key, None)
+        keys = self._awaited.get(number)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._awaited[number]
 
     def take_arrived(self) -> list[tuple[int, int]]:
         """The awaited stores applied since the last call (each awaited once)."""
@@ -302,12 +303,12 @@ class _Holders:
 
     def _note_arrivals(self, number: int, keys: list[int]) -> None:
         """Of ``keys`` just stored on worker ``number``, those awaited there."""
-        bit = 1 << number
-        for key in keys:
-            mask = self._awaited.get(key, 0)
-            if mask & bit:
-                self.forget_await(number, key)
-                self.arrived.append((number, key))
+        awaited = self._awaited.get(number)
+        if awaited is None or awaited.isdisjoint(keys):
+            return
+        for key in awaited.intersection(keys):
+            self.forget_await(number, key)
+            self.arrived.append((number, key))
 
     def holds(self, worker: str, key: int) -> bool:
         state = self._workers.get(worker)

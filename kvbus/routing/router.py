@@ -87,7 +87,8 @@ class Router:
         self.replica_requests = PeerRequests(peer_timeout)
         self._requests = itertools.count(1)
         self.kv_seq: dict[str, int] = {}
-        """source -> seq of its latest kv stream message applied (`Decision.kv_seq`)"""
+        """source -> seq of its latest kv batch applied, in its current epoch
+        (`Decision.kv_seq`)"""
 
     # --- settings and counters (kept by the parts) -----------------------------------
 
@@ -118,7 +119,8 @@ class Router:
 
     @property
     def linger(self) -> float:
-        """Seconds an ended request's prefix blocks stay assumed on its worker."""
+        """Seconds an ended request's prefix blocks stay assumed on its worker at most
+        (until the engine's events report them)."""
         return self.state.linger
 
     @linger.setter
@@ -172,17 +174,19 @@ class Router:
         An engine whose cache emptied (a restart, an ``AllBlocksCleared``) no longer
         holds what this router's finished requests left assumed there."""
         clears = self.index.clears
-        self.index.apply(item)
-        if isinstance(item, Message):
-            self.kv_seq[item.source] = item.seq
+        try:
+            self.index.apply(item)
+        finally:  # stores that end requests' lingering (a batch that failed half-way too)
+            if self.index.arrived:
+                self.state.requests.stored(self.index.take_arrived())
         if isinstance(item, Resync):
             if item.reason is ResyncReason.NEW_EPOCH:  # restarted: maybe elsewhere
+                self.kv_seq.pop(item.source, None)
                 self.state.pace.forget(self.index.worker_number(item.source))
                 self.state.cleared(item.source)
             return
         if item.kind == Kind.KV:  # its body left undecoded: the index read its payload
-            if self.index.arrived:  # stores that ended requests' lingering
-                self.state.requests.stored(self.index.take_arrived())
+            self.kv_seq[item.source] = item.seq
             if self.index.clears != clears:  # an AllBlocksCleared: a reset, still up
                 self.state.cleared(item.source, preempted=True)
             self.state.count_insertions(item.source)
