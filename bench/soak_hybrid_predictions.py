@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import random
-import re
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from cluster import NatsServer, RouterProcess, VllmServer, kv_steps, make_model
-from cluster import post_json as post
+from cluster import NatsServer, RouterProcess, VllmServer, hybrid_conversations, make_model
 
 COUNTS = "{} requests, {} wrong, {} late, {} unexplained"
 
@@ -42,42 +38,6 @@ def busy() -> None:
         while time.time() - start < 0.05:
             pass
         time.sleep(0.02)
-
-
-def one_round(engine: VllmServer, router: RouterProcess, seed: int) -> list[tuple[int, int, bool]]:
-    """(predicted, reported, late) of each request of the test's workload."""
-    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as response:
-        found = re.search(r'block_size="(\d+)"', response.read().decode())
-    assert found is not None
-    block = int(found.group(1))
-    rng = random.Random(seed)
-
-    def words(count: int) -> str:
-        return " ".join(f"w{rng.randrange(4, 1024)}" for _ in range(count))
-
-    systems = [words(3 * block) for _ in range(2)]
-    conversations = [f"{systems[c % 2]} {words(block + 8)}" for c in range(4)]
-    sent: list[tuple[float, str, int, int, int]] = []
-    for _turn in range(4):
-        for c in rng.sample(range(4), 4):
-            sibling = f"{systems[c % 2]} {words(rng.randrange(block + 8, 2 * block))}"
-            for kind, prompt in (("turn", conversations[c]), ("sibling", sibling)):
-                body = {"model": str(engine.model), "prompt": prompt, "max_tokens": 4,
-                        "ignore_eos": True, "temperature": 0.0}  # fmt: skip
-                at = time.time()
-                status, headers, answer = post(f"{router.url}/v1/completions", body)
-                assert status == 200, answer
-                reported = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-                predicted = int(headers["x-kvbus-predicted-cached-tokens"])
-                seq = int(headers["x-kvbus-kv-seq"])
-                sent.append((at, headers["x-kvbus-worker"], seq, predicted, reported))
-                if kind == "turn":
-                    conversations[c] = f"{prompt} {answer['choices'][0]['text']} {words(block + 8)}"
-    time.sleep(1.0)  # the last batches onto the stream
-    steps = kv_steps(router.kvbus_url, sent[0][1])
-    return [
-        (p, r, any(s > seq and ts < at for s, ts in steps)) for at, _, seq, p, r in sent
-    ]  # fmt: skip
 
 
 def main() -> int:
@@ -116,12 +76,12 @@ def main() -> int:
                 engine.wait_healthy(300)
                 router.launch()
                 router.wait_ready(1, timeout=60)
-                seen = one_round(engine, router, args.seed)
+                seen = hybrid_conversations(engine, router, args.seed)
             finally:
                 router.stop()
                 engine.stop()
-            wrong = [(p, r, late) for p, r, late in seen if p != r]
-            row = [len(seen), len(wrong), sum(late for *_, late in wrong)]
+            wrong = [s for s in seen if s.predicted != s.reported]
+            row = [len(seen), len(wrong), sum(s.late for s in wrong)]
             row.append(row[1] - row[2])
             totals = [t + v for t, v in zip(totals, row, strict=True)]
             print(f"round {n}: " + COUNTS.format(*row), flush=True)
@@ -129,10 +89,8 @@ def main() -> int:
         for hog in hogs:
             hog.terminate()
         nats.stop()
-        subprocess.run(["rm", "-rf", str(base)], check=False)
-    print(
-        f"total: {totals[0]} requests, {totals[1]} wrong, {totals[2]} late, {totals[3]} unexplained"
-    )
+        shutil.rmtree(base, ignore_errors=True)
+    print("total: " + COUNTS.format(*totals))
     return 1 if totals[3] else 0
 
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 EXAMPLES = Path(__file__).resolve().parent
 BLOCK = 32
@@ -630,6 +631,76 @@ def kv_steps(nats_url: str, source: str) -> list[tuple[int, float]]:
     out = subprocess.run(tail, capture_output=True, check=True, timeout=60).stdout
     items = [json.loads(line) for line in out.splitlines() if line.startswith(b"{")]
     return [(m["seq"], m["body"]["ts"]) for m in items if m.get("kind") == "kv"]
+
+
+def block_size(engine: VllmServer) -> int:
+    """The engine's block size, as it resolved it (vLLM's ``cache_config_info``)."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as response:
+        found = re.search(r'cache_config_info\{[^}]*\bblock_size="(\d+)"', response.read().decode())
+    assert found is not None
+    return int(found.group(1))
+
+
+class Prediction(NamedTuple):
+    """One request of `hybrid_conversations`: what the router predicted cached and what
+    the engine reported; ``late``: the engine had published a kv batch before it was sent
+    that the router had not applied when it routed it (``x-kvbus-kv-seq``)."""
+
+    kind: str
+    """"turn" (a conversation's next turn) or "sibling" (its system prompt, new words)"""
+    conversation: int
+    prompt_tokens: int
+    predicted: int
+    reported: int
+    late: bool
+
+
+def hybrid_conversations(
+    engine: VllmServer, router: RouterProcess, seed: int = 5
+) -> list[Prediction]:
+    """Four conversations on two system prompts of three blocks, four turns each, each
+    turn followed by a sibling sharing its system prompt only; one request at a time
+    through ``router`` to ``engine`` (tests/test_router_window.py's workload, and
+    bench/soak_hybrid_predictions.py's)."""
+    rng = random.Random(seed)
+
+    def words(count: int) -> str:
+        return " ".join(f"w{rng.randrange(4, 1024)}" for _ in range(count))
+
+    block = block_size(engine)  # 32, or 96 for the linear model
+    systems = [words(3 * block) for _ in range(2)]  # three blocks each
+    # Every prompt ends past the system prompt's blocks by over a window (and a block):
+    # none leaves the window (or the state) at the system prompt's end cached.
+    conversations = [f"{systems[c % 2]} {words(block + 8)}" for c in range(4)]
+    said: list[tuple[str, int, int, int, int]] = []
+    basis: list[tuple[float, str, int]] = []  # when sent; the events it was routed on
+    for _turn in range(4):
+        for c in rng.sample(range(len(conversations)), len(conversations)):
+            for kind, prompt in (
+                ("turn", conversations[c]),
+                ("sibling", f"{systems[c % 2]} {words(rng.randrange(block + 8, 2 * block))}"),
+            ):
+                body = {"model": str(engine.model), "prompt": prompt, "max_tokens": 4,
+                        "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+                sent = time.time()
+                status, headers, answer = post_json(f"{router.url}/v1/completions", body)
+                assert status == 200, answer
+                usage = answer["usage"]
+                reported = usage["prompt_tokens_details"]["cached_tokens"]
+                predicted = int(headers["x-kvbus-predicted-cached-tokens"])
+                said.append((kind, c, usage["prompt_tokens"], predicted, reported))
+                basis.append((sent, headers["x-kvbus-worker"], int(headers["x-kvbus-kv-seq"])))
+                if kind == "turn":  # the next turn: this one, its answer, more words
+                    text = answer["choices"][0]["text"]
+                    conversations[c] = f"{prompt} {text} {words(block + 8)}"
+    # Requests go one at a time, so a kv batch of a step before a request was sent is
+    # of an earlier request's.
+    time.sleep(1.0)  # the last batches onto the stream
+    steps = kv_steps(router.kvbus_url, basis[0][1])
+    return [
+        Prediction(*request, any(seq > applied and ts < at for seq, ts in steps))
+        for request, (at, _, applied) in zip(said, basis, strict=True)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

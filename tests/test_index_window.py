@@ -254,14 +254,14 @@ def test_a_finished_requests_pending_blocks_give_way_to_the_engines_events() -> 
     assert predicted() == (128, 0)
     engine(BlockRemoved([105, 104], "GPU"))  # evicted at once
     assert predicted() == (0, 0)
-    assert not r.index._awaited and not r.state.requests._awaiting
+    assert not r.index.awaited and not r.state.requests._awaiting
     # A request whose events never come lingers, and is forgotten, as before.
     lost = r.route([*range(9000, 9000 + 3 * BLOCK)])
     assert lost is not None
     r.finished(lost)
-    assert r.index._awaited
+    assert r.index.awaited
     r.state.expire(1e12)
-    assert not r.index._awaited and not r.state.requests._awaiting
+    assert not r.index.awaited and not r.state.requests._awaiting
     assert not r.state.window_pending_masks and not r.state.pending_masks
     # Two requests of one prompt end before its events: one store releases both.
     prompt = [*range(8000, 8000 + 3 * BLOCK)]
@@ -278,7 +278,7 @@ def test_a_finished_requests_pending_blocks_give_way_to_the_engines_events() -> 
     assert lost is not None
     r.finished(lost)
     engine(AllBlocksCleared())
-    assert not r.index._awaited and not r.state.requests._awaiting
+    assert not r.index.awaited and not r.state.requests._awaiting
     assert not r.state.window_pending_masks and not r.state.pending_masks
 
 

@@ -74,9 +74,10 @@ class RequestsInFlight:
         self._finishing: deque[tuple[float, Routed]] = deque()
         self._finishing_on: dict[int, int] = {}
         """worker -> its requests in ``_finishing`` (a clear of a worker with none is O(1))"""
-        self._awaiting: dict[int, dict[int, dict[int, Routed]]] = {}
+        self._awaiting: dict[int, dict[int, dict[int, Routed]]] = index.awaited
         """worker -> {the last block key of a request in ``_finishing`` -> those requests
-        (by ``id``)}: the index tells when the engine's events store it (`stored`)"""
+        (by ``id``)}: the index, which shares it, tells when the engine's events store
+        it (`stored`)"""
         self._ended: deque[tuple[float, int]] = deque()
         """(until, worker) of requests of this router that ended less than ``linger``
         ago: the engine's next load record may still count them"""
@@ -207,7 +208,6 @@ class RequestsInFlight:
             key = unconfirmed[-1]
             waiting = self._awaiting.setdefault(number, {}).setdefault(key, {})
             waiting[id(request)] = request
-            self.index.await_store(number, key)
         else:  # the engine's events told (the window group's came in the same batch)
             self._release_window(request)
 
@@ -241,7 +241,6 @@ class RequestsInFlight:
             return
         if not requests:
             del waiting[key]
-            self.index.forget_await(number, key)
             if not waiting:
                 del self._awaiting[number]
 

@@ -241,7 +241,7 @@ class _Feeding(_Windows):
                 state.resident += len(keys)
         else:
             state.add_copies(self._masks, keys, shift)
-        if self._awaited:  # some request lingers (`await_store`): on this worker?
+        if self.awaited:  # some request lingers (`RequestsInFlight.stored`): here?
             self._note_arrivals(state.number, keys)
         self._cap(worker, state)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
-from typing import Final
+from typing import Any, Final
 
 from kvbus.routing import _kernels
 from kvbus.routing.index_keys import Profiles
@@ -236,10 +236,12 @@ class _Holders:
         self.other_groups = 0
         """Blocks of groups neither full-attention, sliding-window nor mamba (chunked
         local attention) skipped, stored or removed."""
-        self._awaited: dict[int, set[int]] = {}
-        """worker number -> the keys a feeder waits to see it store (`await_store`)"""
+        self.awaited: dict[int, dict[int, Any]] = {}
+        """worker number -> the keys a feeder waits to see it store, as the feeder keeps
+        them (`kvbus.routing.in_flight.RequestsInFlight` shares its own)"""
         self.arrived: list[tuple[int, int]] = []
-        """(worker number, key) of awaited stores applied since `take_arrived`"""
+        """(worker number, key) of awaited stores applied since `take_arrived`: the
+        feeder takes them after each item it applies"""
 
     @property
     def block_size(self) -> int | None:
@@ -282,33 +284,17 @@ class _Holders:
     def workers(self) -> list[str]:
         return list(self._workers)
 
-    def await_store(self, number: int, key: int) -> None:
-        """Note in `arrived` when worker ``number`` next stores ``key``: a feeder that
-        assumed the block there learns that the engine's events caught up with it. The
-        feeder takes them (`take_arrived`) after each item it applies."""
-        self._awaited.setdefault(number, set()).add(key)
-
-    def forget_await(self, number: int, key: int) -> None:
-        """No longer wait for worker ``number`` to store ``key``."""
-        keys = self._awaited.get(number)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._awaited[number]
-
     def take_arrived(self) -> list[tuple[int, int]]:
-        """The awaited stores applied since the last call (each awaited once)."""
+        """The awaited stores applied since the last call."""
         arrived, self.arrived = self.arrived, []
         return arrived
 
     def _note_arrivals(self, number: int, keys: list[int]) -> None:
-        """Of ``keys`` just stored on worker ``number``, those awaited there."""
-        awaited = self._awaited.get(number)
-        if awaited is None or awaited.isdisjoint(keys):
-            return
-        for key in awaited.intersection(keys):
-            self.forget_await(number, key)
-            self.arrived.append((number, key))
+        """Of ``keys`` just stored on worker ``number``, those awaited there: a feeder
+        that assumed the blocks there learns that the engine's events caught up."""
+        awaited = self.awaited.get(number)
+        if awaited is not None and not awaited.keys().isdisjoint(keys):
+            self.arrived.extend((number, key) for key in awaited.keys() & keys)
 
     def holds(self, worker: str, key: int) -> bool:
         state = self._workers.get(worker)
