@@ -50,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 _TERMS: Final = 4
+_DIAGONAL: Final = np.eye(_TERMS)
 _NOISE_SIGMAS: Final = 2.0
 """How many spreads of the fit's residuals a reading must stray to count (`_update`)."""
 HALF_LIFE: Final = 64.0
@@ -102,6 +103,8 @@ class WorkerPace:
         (decayed as the fit's sums are)."""
         self.paces: npt.NDArray[np.float64] = np.ones(16)
         """Each worker's pace, by the index's number (1 where unknown)."""
+        self._fitted = np.zeros(_TERMS)
+        """`fit` as of the latest observation (only observations change it)."""
 
     def fit(self) -> npt.NDArray[np.float64]:
         """The fleet's seconds to a first token per (request, block ahead, prompt
@@ -111,12 +114,12 @@ class WorkerPace:
             return np.zeros(_TERMS)
         # A little ridge: while every observation had the same blocks or busy count the
         # equations are singular; the fit then leans on the terms that did vary.
-        ridge = 1e-6 * float(np.trace(xx)) * np.eye(_TERMS)
+        ridged = xx + _DIAGONAL * (1e-6 * float(np.trace(xx)))
         # Not clipped at 0: terms that move together (a new prompt's blocks ahead and
         # its prompt blocks) may split with one negative, their sum still right; clipping
         # one would skew every prediction by the mix of work each worker was sent.
         solved: npt.NDArray[np.float64] = np.asarray(
-            np.linalg.solve(xx + ridge, self._xy), dtype=np.float64
+            np.linalg.solve(ridged, self._xy), dtype=np.float64
         )
         return solved
 
@@ -162,7 +165,8 @@ class WorkerPace:
         # right: a surge's traffic shed as 10-24 s late that started in 2-4 s
         # (BENCHMARKS.md, (e)).
         busy = min(busy, self._busiest)
-        seconds = float(self.fit() @ np.array([1.0, blocks, prompt_blocks, busy]))
+        f = self._fitted
+        seconds = float(f[0] + f[1] * blocks + f[2] * prompt_blocks + f[3] * busy)
         return max(0.0, seconds) * float(self.of(number + 1)[number])
 
     def forget(self, number: int) -> None:
@@ -196,7 +200,7 @@ class WorkerPace:
 
     def _update(self) -> None:
         """Every worker's pace under the fit as it is now (O(workers), vectorised)."""
-        fit = self.fit()
+        fit = self._fitted = self.fit()
         expected = self._x @ fit
         known = (self._count >= self.min_samples) & (expected > 0)
         paces = np.ones(len(self._count))
