@@ -250,6 +250,12 @@ class Target:
             raise RuntimeError(f"{self.name}: {response.status} {data[:200]!r}")
         return elapsed
 
+    def reconnect(self) -> None:
+        """A fresh keep-alive connection: a router may close one that sat idle while
+        the others were measured (one did, mid-run: a broken pipe in the second repeat)."""
+        self.connection.close()
+        self.connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+
     def close(self) -> None:
         self.connection.close()
         if self._stop is not None:
@@ -344,6 +350,7 @@ def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
 
 def measure(target: Target, body: bytes, requests: int, warmup: int) -> tuple[list[float], float]:
     """Each request's latency, and the target's CPU seconds per request."""
+    target.reconnect()  # opened in the warm-up, not in the timed requests
     for _ in range(warmup):
         target.request(body)
     cpu = cpu_seconds(target.session)

@@ -285,3 +285,38 @@ def test_the_slower_of_two_workers_reads_its_ratio_and_the_faster_one() -> None:
             pace.observe(worker, ttft(blocks, slowness, noise), blocks)
     paces = pace.of(2)
     assert paces[0] == 1.0 and 1.9 < paces[1] < 2.5, paces
+
+
+def test_a_settled_fit_is_computed_again_every_few_observations_and_lags_no_more() -> None:
+    """Once the fit and a worker have settled, their readings are computed every
+    `SETTLED_EVERY` observations (each costs a solve and a pass over the workers): a
+    worker that turns slow reads slow at most that many observations later than if
+    they were computed after each. Before then, each observation counts at once."""
+    from kvbus.routing.pace import SETTLED_EVERY
+
+    lazy, eager = WorkerPace(), WorkerPace()
+    noise = random.Random(7)
+    observations = [(w, noise.randint(1, 60)) for _ in range(40) for w in range(4)]
+    for worker, blocks in observations:
+        seconds = ttft(blocks, 1.0, noise)
+        for pace in (lazy, eager):
+            pace.observe(worker, seconds, blocks)
+        eager._update()
+    assert list(lazy.of(4)) == list(eager.of(4)) == [1.0] * 4
+    young = WorkerPace()
+    young.observe(0, 0.1, 10)
+    assert young.fit()[0] != 0.0 and young._fitted[0] == young.fit()[0]  # at once
+
+    read_slow: dict[str, int] = {}
+    for n in range(1, 200):
+        blocks = noise.randint(1, 60)
+        seconds = ttft(blocks, 3.0, noise)  # worker 3 now three times as slow
+        for name, pace in (("lazy", lazy), ("eager", eager)):
+            pace.observe(3, seconds, blocks)
+            if name == "eager":
+                pace._update()
+            if name not in read_slow and pace.of(4)[3] > 1.0:
+                read_slow[name] = n
+        if len(read_slow) == 2:
+            break
+    assert read_slow["eager"] <= read_slow["lazy"] < read_slow["eager"] + SETTLED_EVERY

@@ -55,6 +55,13 @@ _NOISE_SIGMAS: Final = 2.0
 """How many spreads of the fit's residuals a reading must stray to count (`_update`)."""
 HALF_LIFE: Final = 64.0
 """Observations after which one counts half (per worker, and for the fleet-wide fit)."""
+SETTLED_EVERY: Final = 8
+"""Observations between two computations of the fit and the paces once both have
+settled (the fit on ``min_fit`` observations, the worker observed more than
+``min_fast`` times): eight observations are an eighth of a `HALF_LIFE`, and computing
+them (a 4x4 solve and the per-worker readings, ~40 µs) after every first token was a
+tenth of the router's CPU per request. Until then, after each: a worker's first
+readings decide where new prefixes go."""
 STALE_AFTER: Final = 10.0
 """Seconds after its latest observation that a worker's observations are dropped."""
 
@@ -104,7 +111,8 @@ class WorkerPace:
         self.paces: npt.NDArray[np.float64] = np.ones(16)
         """Each worker's pace, by the index's number (1 where unknown)."""
         self._fitted = np.zeros(_TERMS)
-        """`fit` as of the latest observation (only observations change it)."""
+        """`fit` as of the latest `_update`."""
+        self._since_update = 0
 
     def fit(self) -> npt.NDArray[np.float64]:
         """The fleet's seconds to a first token per (request, block ahead, prompt
@@ -148,7 +156,13 @@ class WorkerPace:
         self._seconds[number] = self._seconds[number] * d + seconds
         self._count[number] += 1
         self._last[number] = self._clock()
-        self._update()
+        self._since_update += 1
+        if (
+            self._since_update >= SETTLED_EVERY
+            or self._xx[0, 0] < self.min_fit
+            or self._count[number] <= self.min_fast
+        ):
+            self._update()
 
     def predict(self, number: int, blocks: float, prompt_blocks: float, busy: float) -> float:
         """Seconds worker ``number`` should take to a first token for a request with
@@ -200,6 +214,7 @@ class WorkerPace:
 
     def _update(self) -> None:
         """Every worker's pace under the fit as it is now (O(workers), vectorised)."""
+        self._since_update = 0
         fit = self._fitted = self.fit()
         expected = self._x @ fit
         known = (self._count >= self.min_samples) & (expected > 0)
