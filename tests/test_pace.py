@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvbus.bus.subscription import Message, Resync, ResyncReason
 from kvbus.routing.pace import WorkerPace
 from kvbus.routing.router import CostWeights, Router
@@ -287,36 +289,63 @@ def test_the_slower_of_two_workers_reads_its_ratio_and_the_faster_one() -> None:
     assert paces[0] == 1.0 and 1.9 < paces[1] < 2.5, paces
 
 
-def test_a_settled_fit_is_computed_again_every_few_observations_and_lags_no_more() -> None:
-    """Once the fit and a worker have settled, their readings are computed every
-    `SETTLED_EVERY` observations (each costs a solve and a pass over the workers): a
-    worker that turns slow reads slow at most that many observations later than if
-    they were computed after each. Before then, each observation counts at once."""
-    from kvbus.routing.pace import SETTLED_EVERY
-
-    lazy, eager = WorkerPace(), WorkerPace()
+def settled_pair(settled_every: int, extra: int) -> tuple[WorkerPace, WorkerPace]:
+    """Two paces fed the same observations of 4 workers at the fleet's speed (40 each),
+    then ``extra`` more: one computes the fit every ``settled_every`` observations once
+    settled, the other after each."""
+    clock = Clock()
+    lazy = WorkerPace(settled_every=settled_every, clock=clock)
+    eager = WorkerPace(settled_every=1, clock=clock)
     noise = random.Random(7)
-    observations = [(w, noise.randint(1, 60)) for _ in range(40) for w in range(4)]
-    for worker, blocks in observations:
+    for n in range(160 + extra):
+        worker, blocks = n % 4, noise.randint(1, 60)
         seconds = ttft(blocks, 1.0, noise)
         for pace in (lazy, eager):
             pace.observe(worker, seconds, blocks)
-        eager._update()
-    assert list(lazy.of(4)) == list(eager.of(4)) == [1.0] * 4
-    young = WorkerPace()
-    young.observe(0, 0.1, 10)
-    assert young.fit()[0] != 0.0 and young._fitted[0] == young.fit()[0]  # at once
+    return lazy, eager
 
-    read_slow: dict[str, int] = {}
+
+def observations_to_read_slow(pace: WorkerPace, seed: int) -> int:
+    """Observations of worker 3, now three times as slow, until its pace reads slow."""
+    noise = random.Random(seed)
     for n in range(1, 200):
         blocks = noise.randint(1, 60)
-        seconds = ttft(blocks, 3.0, noise)  # worker 3 now three times as slow
-        for name, pace in (("lazy", lazy), ("eager", eager)):
-            pace.observe(3, seconds, blocks)
-            if name == "eager":
-                pace._update()
-            if name not in read_slow and pace.of(4)[3] > 1.0:
-                read_slow[name] = n
-        if len(read_slow) == 2:
-            break
-    assert read_slow["eager"] <= read_slow["lazy"] < read_slow["eager"] + SETTLED_EVERY
+        pace.observe(3, ttft(blocks, 3.0, noise), blocks)
+        if pace.of(4)[3] > 1.0:
+            return n
+    raise AssertionError("never read slow")
+
+
+def test_a_settled_fit_is_computed_again_every_few_observations_and_lags_no_more() -> None:
+    """Once the fit and a worker have settled, their readings are computed every
+    ``settled_every`` observations (each costs a solve and a pass over the workers): a
+    worker that turns slow reads slow later than if they were computed after each, by
+    fewer than that many observations, whatever the phase of the count."""
+    every = 8
+    lags = []
+    for extra in range(every):
+        lazy, eager = settled_pair(every, extra)
+        assert list(lazy.of(4)) == list(eager.of(4)) == [1.0] * 4
+        lags.append(observations_to_read_slow(lazy, 3) - observations_to_read_slow(eager, 3))
+    assert all(0 <= lag < every for lag in lags), lags
+    assert max(lags) > 0, lags  # the lazy one did wait
+
+
+def test_until_the_fit_settles_each_observation_counts_at_once() -> None:
+    """A fit on fewer than ``min_fit`` observations (decayed), or a worker observed
+    ``min_fast`` times or fewer, is computed again after each observation: a fleet's
+    first readings decide where its first prefixes go."""
+    clock = Clock()
+    lazy = WorkerPace(settled_every=64, clock=clock)
+    eager = WorkerPace(settled_every=1, clock=clock)
+    noise = random.Random(3)
+    for n in range(24):  # 12 each (past min_fast), 24 in all (under min_fit)
+        worker, blocks = n % 2, noise.randint(1, 60)
+        seconds = ttft(blocks, 1.0 if worker == 0 else 2.5, noise)
+        for pace in (lazy, eager):
+            pace.observe(worker, seconds, blocks)
+        assert list(lazy.of(2)) == list(eager.of(2)), n
+    assert lazy.of(2)[1] > 1.0  # the slow one reads slow, as soon as the eager one
+    one = WorkerPace(min_fit=1, clock=clock)
+    one.observe(0, 0.1, 10)
+    assert one.predict(0, 10, 0, 0) == pytest.approx(float(one.fit() @ [1, 10, 0, 0]))

@@ -35,8 +35,10 @@ reading draws traffic, and on a saturated fleet two first tokens that came quick
 often a lull in its queue as speed (the Mooncake scenario (b) lost goodput when they
 could). A worker's observations are dropped ``stale_after`` seconds
 after its latest: a worker read slow draws little traffic, so nothing would read it
-again. Everything is from the caller's observations and clock: the same observations
-at the same times give the same paces.
+again. Once settled, the fit and the paces are computed every ``settled_every``
+observations (`SETTLED_EVERY`), not after each. Everything is from the caller's
+observations, reads and clock: the same observations and reads at the same times give
+the same paces.
 """
 
 from __future__ import annotations
@@ -78,12 +80,14 @@ class WorkerPace:
         deadband: float = 1.4,
         limit: float = 4.0,
         min_fit: float = 32.0,
+        settled_every: int = SETTLED_EVERY,
         stale_after: float = STALE_AFTER,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.min_samples = min_samples
         self.min_fast = min_fast
         self.min_fit = min_fit
+        self.settled_every = max(1, settled_every)
         self.deadband = deadband
         self.limit = limit
         self.stale_after = stale_after
@@ -158,7 +162,7 @@ class WorkerPace:
         self._last[number] = self._clock()
         self._since_update += 1
         if (
-            self._since_update >= SETTLED_EVERY
+            self._since_update >= self.settled_every
             or self._xx[0, 0] < self.min_fit
             or self._count[number] <= self.min_fast
         ):
