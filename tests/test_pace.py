@@ -289,6 +289,21 @@ def test_the_slower_of_two_workers_reads_its_ratio_and_the_faster_one() -> None:
     assert paces[0] == 1.0 and 1.9 < paces[1] < 2.5, paces
 
 
+def test_a_settled_fit_predicts_busy_no_further_than_the_busiest_it_was_fitted_on() -> None:
+    """Between two updates of a settled fit, a surge's first busy observation raises
+    the busiest the pace has seen (1 -> 9) before the fit learns anything of it; the
+    fit's busy term, from calm observations, must not be carried that far. (It was:
+    every worker of (e) read 8-14 s to a first token where 3 s was right, and shed.)"""
+    pace, noise = WorkerPace(settled_every=64, clock=Clock()), random.Random(8)
+    for n in range(48):  # calm; the busy ones (1) wait 1 s more: a young fit's queueing
+        busy, blocks = n % 2, noise.randint(20, 120)
+        pace.observe(n % 4, ttft(blocks, 1.0, noise) + busy, blocks, busy)
+    calm = pace.predict(0, 100, 0, 1)
+    assert calm > 0.5  # the fit put the queueing on the busy term
+    pace.observe(0, ttft(100, 1.0, noise), 100, 9)  # the surge's first: no update yet
+    assert pace.predict(0, 100, 0, 9) == pytest.approx(calm)
+
+
 def settled_pair(settled_every: int, extra: int) -> tuple[WorkerPace, WorkerPace]:
     """Two paces fed the same observations of 4 workers at the fleet's speed (40 each),
     then ``extra`` more: one computes the fit every ``settled_every`` observations once

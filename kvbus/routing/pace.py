@@ -116,6 +116,12 @@ class WorkerPace:
         """Each worker's pace, by the index's number (1 where unknown)."""
         self._fitted = np.zeros(_TERMS)
         """`fit` as of the latest `_update`."""
+        self._fitted_busiest = 0.0
+        """``_busiest`` as of the latest `_update`: the bound of ``_fitted``'s busy term.
+        Taken with the fit, not as observed since: between two updates of a settled fit
+        a surge's first busy observations raise ``_busiest`` (1 -> 9), and the fit's busy
+        term, learned from calm ones (1.4 s a busy request), would be carried nine times
+        as far: every worker predicted 8-14 s late where 3 s was right, and shed."""
         self._since_update = 0
 
     def fit(self) -> npt.NDArray[np.float64]:
@@ -182,7 +188,7 @@ class WorkerPace:
         # extrapolated to a busier worker that was 1.2 s a busy request where 0.1 was
         # right: a surge's traffic shed as 10-24 s late that started in 2-4 s
         # (BENCHMARKS.md, (e)).
-        busy = min(busy, self._busiest)
+        busy = min(busy, self._fitted_busiest)
         f = self._fitted
         seconds = float(f[0] + f[1] * blocks + f[2] * prompt_blocks + f[3] * busy)
         return max(0.0, seconds) * float(self.of(number + 1)[number])
@@ -220,6 +226,7 @@ class WorkerPace:
         """Every worker's pace under the fit as it is now (O(workers), vectorised)."""
         self._since_update = 0
         fit = self._fitted = self.fit()
+        self._fitted_busiest = self._busiest
         expected = self._x @ fit
         known = (self._count >= self.min_samples) & (expected > 0)
         paces = np.ones(len(self._count))
