@@ -302,6 +302,8 @@ def test_a_settled_fit_predicts_busy_no_further_than_the_busiest_it_was_fitted_o
     assert calm > 0.5  # the fit put the queueing on the busy term
     pace.observe(0, ttft(100, 1.0, noise), 100, 9)  # the surge's first: no update yet
     assert pace.predict(0, 100, 0, 9) == pytest.approx(calm)
+    pace.forget(3)  # an update: the fit and its bound are taken again, together
+    assert pace.predict(0, 100, 0, 9) > pace.predict(0, 100, 0, 1)
 
 
 def settled_pair(settled_every: int, extra: int) -> tuple[WorkerPace, WorkerPace]:

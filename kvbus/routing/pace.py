@@ -188,10 +188,11 @@ class WorkerPace:
         # extrapolated to a busier worker that was 1.2 s a busy request where 0.1 was
         # right: a surge's traffic shed as 10-24 s late that started in 2-4 s
         # (BENCHMARKS.md, (e)).
+        pace = float(self.of(number + 1)[number])  # first: its expiry may update the fit
         busy = min(busy, self._fitted_busiest)
         f = self._fitted
         seconds = float(f[0] + f[1] * blocks + f[2] * prompt_blocks + f[3] * busy)
-        return max(0.0, seconds) * float(self.of(number + 1)[number])
+        return max(0.0, seconds) * pace
 
     def forget(self, number: int) -> None:
         """Worker ``number`` restarted or left: what it was is no evidence of what it is."""
