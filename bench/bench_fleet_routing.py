@@ -46,6 +46,11 @@ reset, the second alone, its engine's cache emptied at the same point; bench/moo
 and the CPU: the busiest process's share of one core (the sim, a router, nats-server
 or this client; over ~70% it, not the routing, limits TTFT) and the machine's.
 
+Then, with kvbus ``kv`` beside a peer, kv against the best peer of each repetition and
+stage, request by request (bench/fleet_verdicts.py): the p90's difference and the central
+95% of it over resamples of the stage's requests (a burst's siblings drawn together),
+"ahead" or "behind" only where that excludes 0 or the goodputs differ, and each p99.
+
 The vllm-router runs go on a fleet of their own at a quarter of ``--speedup``
 (``--speedup-for``): vllm-router renders each prompt on every engine, which on one sim
 process costs 8 tokenizations a request. Time on 2 cores: about 10 min a scenario for
@@ -86,6 +91,7 @@ from cluster import BLOCK  # noqa: E402
 from peers import PEERS, PEERS_VENV, PeerRouter, policies_to_compare  # noqa: E402
 from router_demo import Cluster, Request, Result, Sim, send  # noqa: E402
 
+from bench import fleet_verdicts  # noqa: E402
 from bench.bench_fleet import cpu_seconds, machine_busy_seconds  # noqa: E402
 from bench.mooncake import (  # noqa: E402
     DEFAULT_TRACE,
@@ -980,14 +986,6 @@ async def main() -> None:
             for speedup, routers in speedups(policies, args).items()
             if speedup != args.speedup
         )
-        out.append(
-            f"\n({key}) {scenario.title}; {scenario.engines} engines x {scenario.blocks} KV "
-            f"blocks of {BLOCK} ({args.profile}, speedup {args.speedup:g}"
-            f"{f'; {slower}' if slower else ''}), "
-            f"{len(plans)} repetition(s); SLO TTFT <= {args.slo:g} s"
-            f"{f'; {scenario.notes}' if scenario.notes else ''}\n"
-            + table(runs, plans, bounds, args.slo, args.timeout)
-        )
         report["scenarios"][key] = {
             "title": scenario.title,
             "engines": scenario.engines,
@@ -1022,9 +1020,23 @@ async def main() -> None:
                 for r in runs
             ],
         }
+        if args.json:  # before the verdicts: a fault in them loses no run
+            args.json.write_text(json.dumps(report, indent=1))
+        out.append(
+            f"\n({key}) {scenario.title}; {scenario.engines} engines x {scenario.blocks} KV "
+            f"blocks of {BLOCK} ({args.profile}, speedup {args.speedup:g}"
+            f"{f'; {slower}' if slower else ''}), "
+            f"{len(plans)} repetition(s); SLO TTFT <= {args.slo:g} s"
+            f"{f'; {scenario.notes}' if scenario.notes else ''}\n"
+            + table(runs, plans, bounds, args.slo, args.timeout)
+            + (
+                "\n\nkv against the best peer, request by request (bench/fleet_verdicts.py):\n"
+                + fleet_verdicts.table(report["scenarios"][key], "kv", args.slo, peers=PEERS)
+                if "kv" in policies and any(p in PEERS for p in policies)
+                else ""
+            )
+        )
     print("\n".join(out))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

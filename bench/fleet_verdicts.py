@@ -1,0 +1,287 @@
+"""Which router's TTFT p90 is lower, per repetition and stage, beyond what the stage's
+sample of requests can tell: kvbus's ``kv`` against the best peer of each repetition, from
+the ``--json`` of ``bench/bench_fleet_routing.py``.
+
+A stage's p90 is one order statistic of a few hundred requests (of 250, the 25th
+slowest), so two routers a few ms apart may differ by which requests happened to fall
+near it. Every router runs the same arrivals, so the comparison is paired: each of
+``resamples`` draws the stage's requests with replacement (the requests that arrive at
+one instant, a burst's siblings, drawn together), and takes the difference of the two
+routers' p90 over the same draw. The verdict is "ahead" or "behind" only when the
+central 95% of those differences excludes 0 (or the goodputs differ: a request lost
+outweighs any p90); otherwise "within noise".
+
+What this cannot see: the run-to-run noise of the machine (a router's p90 over the same
+plan moves between runs, by up to 19 ms in (f) here), which only repeated runs measure:
+kv against its own rerun read "behind" in 2 of 18 stage-repetitions (BENCHMARKS.md).
+One run's "ahead" or "behind" is worth a rerun before it is believed. Stages of fewer
+than `MIN_CLUSTERS` observations are "within noise" whatever they read. Two bursts
+arriving within `BURST_GAP` of each other are drawn as one (the JSON does not say which
+prompt a request had): that widens the interval, never narrows it.
+
+    python bench/fleet_verdicts.py RESULTS.json [--router kv] [--resamples 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FAILED = 1e6
+"""A failed or unanswered request's TTFT for the statistics (seconds): slower than any."""
+CONFIDENCE = 0.95
+MIN_CLUSTERS = 20
+"""Fewer observations than this (requests, a burst counting once) tell nothing apart."""
+OWN = ("kv", "round_robin", "random")
+"""kvbus's own policies: not peers (`Policy`)."""
+VERDICTS = ("ahead", "within noise", "behind")
+"""Of the first router against the other: more requests within the SLO, or as many and
+a p90 lower in 95% of the resamples; neither; the reverse."""
+
+
+@dataclass(frozen=True)
+class Difference:
+    """``ours`` p90 less ``theirs``, in seconds, and its resampled central interval."""
+
+    ours: float
+    theirs: float
+    low: float
+    high: float
+
+    @property
+    def value(self) -> float:
+        return self.ours - self.theirs
+
+    observations: int = MIN_CLUSTERS
+
+    @property
+    def verdict(self) -> str:
+        if self.observations < MIN_CLUSTERS:
+            return "within noise"
+        if self.high < 0:
+            return "ahead"
+        if self.low > 0:
+            return "behind"
+        return "within noise"
+
+
+def p90(values: np.ndarray, axis: int = -1) -> Any:
+    """The bench's quantile (`bench_fleet_routing._quantile`): the value at index
+    ``int(0.9 * n)`` of the sorted sample, along ``axis``."""
+    n = values.shape[axis]
+    return np.sort(values, axis=axis).take(min(n - 1, int(0.9 * n)), axis=axis)
+
+
+def paired_p90_difference(
+    ours: Sequence[float],
+    theirs: Sequence[float],
+    resamples: int = 2000,
+    seed: int = 0,
+    clusters: Sequence[Hashable] | None = None,
+) -> Difference:
+    """The p90 of ``ours`` less that of ``theirs``, where ``ours[i]`` and ``theirs[i]`` are
+    the same request's TTFT under two routers (``math.inf`` or ``nan``: it failed).
+
+    ``clusters`` (one label per request) resamples requests that share a label together:
+    siblings of one burst wait for one prefill and share a TTFT, so they are one
+    observation, not eight. Default: every request apart."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"need two equal, non-empty samples, got {len(ours)} and {len(theirs)}")
+    a = _finite(ours)
+    b = _finite(theirs)
+    labels = list(range(len(a))) if clusters is None else list(clusters)
+    if len(labels) != len(a):
+        raise ValueError(f"{len(labels)} cluster labels for {len(a)} requests")
+    code = {label: i for i, label in enumerate(dict.fromkeys(labels))}
+    of_request = np.array([code[label] for label in labels])
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(len(code), np.full(len(code), 1 / len(code)), size=resamples)
+    weights = counts[:, of_request]  # how often each request is in each resample
+    differences = _weighted_p90(a, weights) - _weighted_p90(b, weights)
+    tail = (1 - CONFIDENCE) / 2
+    low, high = np.quantile(differences, [tail, 1 - tail])
+    return Difference(float(p90(a)), float(p90(b)), float(low), float(high), len(code))
+
+
+def _weighted_p90(values: np.ndarray, weights: np.ndarray) -> Any:
+    """`p90` of each row's sample, where ``weights[r, i]`` copies of ``values[i]`` are in
+    row ``r``: the first value, in sorted order, whose cumulative count passes the index."""
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(weights[:, order], axis=1)
+    total = cumulative[:, -1]
+    index = np.minimum(total - 1, np.floor(0.9 * total))
+    return values[order][(cumulative > index[:, None]).argmax(axis=1)]
+
+
+def _finite(values: Sequence[float]) -> np.ndarray:
+    array = np.asarray(values, dtype=float)
+    return np.where(np.isfinite(array), array, FAILED)
+
+
+@dataclass(frozen=True)
+class Row:
+    stage: str
+    repetition: int
+    peer: str
+    """The peer with the lowest p90 in this repetition and stage."""
+    difference: Difference
+    good: int
+    peer_good: int
+    requests: int
+    p99: float = math.nan
+    peer_p99: float = math.nan
+    """The tail beyond the p90: a router that piles a fault's misses on one engine can
+    keep them under a tenth of the requests (its p90 low) and far slower (its p99 high)."""
+
+
+def rows(
+    scenario: dict[str, Any], router: str, slo: float, resamples: int,
+    peers: Collection[str] | None = None,
+) -> list[Row]:  # fmt: skip
+    """Per stage (warm-up aside) and repetition, ``router`` against the best of ``peers``
+    (default: every router in ``scenario`` but kvbus's own) in that repetition and stage;
+    ``scenario`` is one entry of the JSON's ``scenarios``."""
+    by_run: dict[tuple[str, int], list[list[Any]]] = {
+        (r["router"], r["repetition"]): r["requests"] for r in scenario["runs"]
+    }
+    repetitions = sorted({rep for name, rep in by_run if name == router})
+    if peers is None:
+        peers = {name for name, _ in by_run if name not in OWN}
+    peers = sorted(set(peers) - {router})
+    out: list[Row] = []
+    stages = (
+        list(dict.fromkeys(q[1] for q in by_run[(router, repetitions[0])])) if repetitions else []
+    )
+    for stage in (s for s in stages if s != "warm-up"):
+        for repetition in repetitions:
+            ours = _stage_ttfts(by_run[(router, repetition)], stage)
+            clusters = _bursts([q for q in by_run[(router, repetition)] if q[1] == stage])
+            candidates = []
+            for peer in (p for p in peers if (p, repetition) in by_run):
+                _check_paired(by_run[(router, repetition)], by_run[(peer, repetition)], peer)
+                theirs = _stage_ttfts(by_run[(peer, repetition)], stage)
+                candidates.append((-_good(theirs, slo), p90(_finite(theirs)), peer, theirs))
+            if not ours or not candidates:
+                continue
+            # The best peer as the verdict ranks: the most within the SLO, then the p90.
+            *_, peer, theirs = min(candidates, key=lambda c: (c[0], c[1], c[2]))
+            out.append(
+                Row(
+                    stage, repetition, peer,
+                    paired_p90_difference(ours, theirs, resamples, repetition, clusters),
+                    _good(ours, slo), _good(theirs, slo), len(ours),
+                    _quantile(ours, 0.99), _quantile(theirs, 0.99),
+                )
+            )  # fmt: skip
+    return out
+
+
+def _check_paired(ours: list[list[Any]], theirs: list[list[Any]], peer: str) -> None:
+    """Both runs are of one plan: the same arrivals (time, stage, kind) in the same order."""
+    if [q[:3] for q in ours] != [q[:3] for q in theirs]:
+        raise ValueError(f"{peer}'s run is not of the same arrivals as the router's")
+
+
+BURST_GAP = 1e-3
+"""Seconds (simulated) within which a burst's requests arrive (the bench: 0.1 ms apart)."""
+
+
+def _bursts(requests: list[list[Any]]) -> list[int]:
+    """A label per request: one burst's siblings (kind "burst", each within `BURST_GAP`
+    of the one before) share one; every other request has its own."""
+    labels: list[int] = []
+    for i, q in enumerate(requests):
+        previous = requests[i - 1] if i else None
+        same = (
+            previous is not None
+            and q[2] == previous[2] == "burst"
+            and 0 <= q[0] - previous[0] < BURST_GAP
+        )
+        labels.append(labels[-1] if same else i)
+    return labels
+
+
+def _stage_ttfts(requests: list[list[Any]], stage: str) -> list[float]:
+    """Each of the stage's requests' TTFT (simulated seconds), ``inf`` where it failed;
+    rows are the bench's ``[at, stage, kind, status, ttft, prompt, cached, worker]``."""
+    return [q[4] if q[3] == 200 and q[4] > 0 else math.inf for q in requests if q[1] == stage]
+
+
+def _quantile(ttfts: list[float], q: float) -> float:
+    ordered = np.sort(_finite(ttfts))
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def _good(ttfts: list[float], slo: float) -> int:
+    return sum(1 for t in ttfts if t <= slo)
+
+
+def table(
+    scenario: dict[str, Any], router: str = "kv", slo: float = 1.0, resamples: int = 2000,
+    peers: Collection[str] | None = None,
+) -> str:  # fmt: skip
+    """The verdicts of one scenario (`rows`), a line each, and a count of them."""
+    found = rows(scenario, router, slo, resamples, peers)
+    if not found:
+        return f"(no {router} run beside a peer on the same plans)"
+    head = (
+        f"{'stage':10} {'rep':>3} {'best peer':24} {router + ' p90':>8} {'peer p90':>8} "
+        f"{'diff':>6} {'95% of resamples':>17} {'good':>9} {'verdict':12} "
+        f"{'p99 ' + router + '/peer':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    counts: dict[str, int] = {}
+    for row in found:
+        d = row.difference
+        verdict = d.verdict
+        if row.good != row.peer_good:  # goodput first: a request lost outweighs any p90
+            verdict = "ahead" if row.good > row.peer_good else "behind"
+        counts[verdict] = counts.get(verdict, 0) + 1
+        lines.append(
+            f"{row.stage:10} {row.repetition + 1:>3} {row.peer:24} {_ms(d.ours):>8} "
+            f"{_ms(d.theirs):>8} {_ms(d.value, sign=True):>6} "
+            f"{'[' + _ms(d.low, sign=True) + ', ' + _ms(d.high, sign=True) + ']':>17} "
+            f"{f'{row.good}/{row.peer_good}':>9} {verdict:12} "
+            f"{_ms(row.p99) + '/' + _ms(row.peer_p99):>14}"
+        )
+    lines.append(
+        f"{router}: "
+        + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS)
+        + f" of {len(found)} stage-repetitions against the best peer of each (by goodput,"
+        " then TTFT p90 in ms)"
+    )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float, sign: bool = False) -> str:
+    """Milliseconds; a p90 of failed requests reads "failed", a difference with one "inf"."""
+    if abs(seconds) >= FAILED / 2:
+        if not sign:
+            return "failed"
+        return "+inf" if seconds > 0 else "-inf"
+    digits = 1 if abs(seconds) < 1e-3 else 0  # not "+0" for a bound just over 0
+    return f"{seconds * 1000:+.{digits}f}" if sign else f"{seconds * 1000:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, help="bench_fleet_routing.py's --json")
+    parser.add_argument("--router", default="kv")
+    parser.add_argument("--resamples", type=int, default=2000)
+    args = parser.parse_args(argv)
+    report = json.loads(args.results.read_text())
+    slo = float(report.get("args", {}).get("slo", 1.0))
+    for key, scenario in report["scenarios"].items():
+        print(f"\n({key}) {scenario['title']}")
+        print(table(scenario, args.router, slo, args.resamples))
+
+
+if __name__ == "__main__":
+    main()

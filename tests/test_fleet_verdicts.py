@@ -1,0 +1,207 @@
+"""bench/fleet_verdicts.py: kv against the best peer, request by request."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bench import fleet_verdicts
+from bench.fleet_verdicts import paired_p90_difference, rows, table
+
+
+def _ttfts(n: int, seed: int, scale: float = 0.05) -> list[float]:
+    rng = random.Random(seed)
+    return [rng.expovariate(1 / scale) for _ in range(n)]
+
+
+def test_the_same_sample_is_within_noise_with_an_interval_of_zero() -> None:
+    sample = _ttfts(300, 1)
+    d = paired_p90_difference(sample, sample)
+    assert (d.value, d.low, d.high) == (0, 0, 0)
+    assert d.verdict == "within noise"
+
+
+def test_a_router_faster_on_every_request_is_ahead_and_the_reverse_behind() -> None:
+    theirs = _ttfts(300, 2)
+    ours = [t * 0.8 for t in theirs]
+    d = paired_p90_difference(ours, theirs)
+    assert d.value < 0 and d.high < 0
+    assert d.verdict == "ahead"
+    assert paired_p90_difference(theirs, ours).verdict == "behind"
+
+
+def test_a_few_slow_requests_near_the_p90_are_within_noise() -> None:
+    """Two samples that differ only in which 3 of 300 requests were slow: their p90s
+    differ, but the resamples cannot tell them apart."""
+    ours = _ttfts(300, 3)
+    theirs = list(ours)
+    order = sorted(range(300), key=lambda i: ours[i])
+    for i in order[271:274]:  # just over the p90 (index 270 of 300) in ours: under it
+        theirs[i] = ours[order[100]]
+    d = paired_p90_difference(ours, theirs)
+    assert d.value > 0
+    assert d.verdict == "within noise"
+    assert d.low <= 0 <= d.high
+
+
+def test_failed_requests_are_slower_than_any_served() -> None:
+    ours = _ttfts(100, 4)
+    theirs = list(ours)
+    for i in range(20):  # a fifth failed: their p90 is a failure
+        theirs[i] = math.inf
+    d = paired_p90_difference(ours, theirs)
+    assert d.theirs == fleet_verdicts.FAILED
+    assert d.verdict == "ahead"
+
+
+def test_the_samples_must_be_paired() -> None:
+    with pytest.raises(ValueError, match="equal"):
+        paired_p90_difference([0.1, 0.2], [0.1])
+    with pytest.raises(ValueError, match="non-empty"):
+        paired_p90_difference([], [])
+
+
+def _run(router: str, repetition: int, ttfts: list[float], stage: str = "steady") -> Any:
+    warm = [[0.0, "warm-up", "warm-up", 200, 0.5, 100, 0, "sim-0"]]
+    requests = [
+        [i * 0.01, stage, "", 200 if math.isfinite(t) else 0, t if math.isfinite(t) else -1,
+         100, 50, "sim-0"]
+        for i, t in enumerate(ttfts)
+    ]  # fmt: skip
+    return {"router": router, "repetition": repetition, "requests": warm + requests}
+
+
+def test_each_repetition_is_against_its_own_best_peer_and_kvbus_policies_are_not_peers() -> None:
+    base = _ttfts(200, 5)
+    scenario = {
+        "title": "t",
+        "runs": [
+            _run("kv", 0, base),
+            _run("kv", 1, base),
+            _run("round_robin", 0, [t * 0.1 for t in base]),  # kvbus's own: not a peer
+            _run("round_robin", 1, [t * 0.1 for t in base]),
+            _run("sglang-cache_aware", 0, [t * 0.9 for t in base]),
+            _run("sglang-cache_aware", 1, [t * 1.5 for t in base]),
+            _run("vllm-router-cache_aware", 0, [t * 1.2 for t in base]),
+            _run("vllm-router-cache_aware", 1, [t * 1.1 for t in base]),
+        ],
+    }
+    found = rows(scenario, "kv", slo=1.0, resamples=500)
+    assert [(r.stage, r.repetition, r.peer) for r in found] == [
+        ("steady", 0, "sglang-cache_aware"),
+        ("steady", 1, "vllm-router-cache_aware"),
+    ]
+    assert [r.difference.verdict for r in found] == ["behind", "ahead"]
+    printed = table(scenario, "kv", 1.0, 500)
+    assert "1 ahead, 0 within noise, 1 behind of 2" in printed
+
+
+def test_goodput_decides_before_the_p90() -> None:
+    """A peer that served one request fewer within the SLO is behind, whatever its p90."""
+    ours = _ttfts(100, 6, scale=0.01)
+    theirs = [t * 0.5 for t in ours]
+    theirs[0] = 5.0  # over the 1 s SLO
+    scenario = {"title": "t", "runs": [_run("kv", 0, ours), _run("sglang-cache_aware", 0, theirs)]}
+    printed = table(scenario, "kv", 1.0, 500)
+    line = next(x for x in printed.splitlines() if x.startswith("steady"))
+    fields = line.split()
+    assert fields[-2] == "ahead"
+    assert "100/99" in fields
+
+
+def test_a_scenario_without_kv_beside_a_peer_says_so() -> None:
+    scenario = {"title": "t", "runs": [_run("kv", 0, _ttfts(50, 7))]}
+    assert rows(scenario, "kv", 1.0, 100) == []
+    assert "no kv run beside a peer" in table(scenario)
+
+
+def test_a_bursts_siblings_are_resampled_together() -> None:
+    """20 bursts of 8 siblings sharing a TTFT; the peer served the two slowest bursts
+    fast. Drawn request by request, 16 requests' difference looks certain; drawn by burst,
+    it rests on two observations of twenty, and no draw of them is not rare (12%)."""
+    ours = [(burst + 1) / 1000 for burst in range(20) for _ in range(8)]
+    theirs = [t if t < 0.019 else 0.0005 for t in ours]
+    apart = paired_p90_difference(ours, theirs)
+    assert apart.verdict == "behind"
+    bursts = [i // 8 for i in range(160)]
+    together = paired_p90_difference(ours, theirs, clusters=bursts)
+    assert together.value == apart.value > 0
+    assert together.verdict == "within noise"
+    assert together.low <= 0 < together.high
+
+
+def test_a_bursts_siblings_are_told_by_kind_and_arrival() -> None:
+    requests = [
+        [0.1, "s", "burst", 200, 0.1],
+        [0.1001, "s", "burst", 200, 0.1],
+        [0.1002, "s", "burst", 200, 0.1],
+        [0.1003, "s", "shared", 200, 0.1],  # not a burst: its own
+        [0.1004, "s", "shared", 200, 0.1],
+        [0.3, "s", "burst", 200, 0.1],  # the next burst
+        [0.3001, "s", "burst", 200, 0.1],
+    ]
+    labels = fleet_verdicts._bursts(requests)
+    assert labels == [0, 0, 0, 3, 4, 5, 5]
+
+
+def test_the_resampled_p90_is_the_benchs_order_statistic_of_each_draw() -> None:
+    """Each weight row is a sample with that many copies of each value; its p90 is the
+    bench's (sorted, index int(0.9 n)), ties and failures included."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        values = fleet_verdicts._finite(
+            [math.inf if rng.random() < 0.1 else float(rng.integers(0, 6)) for _ in range(n)]
+        )
+        weights = rng.integers(0, 4, size=(10, n))
+        weights[:, 0] += 1  # no empty sample
+        got = fleet_verdicts._weighted_p90(values, weights)
+        for row, value in zip(weights, got, strict=True):
+            expanded = sorted(np.repeat(values, row))
+            assert value == expanded[int(0.9 * len(expanded))]
+
+
+def test_a_failed_request_is_not_good_and_slowest_in_the_rows() -> None:
+    ours = [0.05] * 30
+    theirs = [0.05] * 30
+    theirs[3] = math.inf  # status 0: failed
+    scenario = {"title": "t", "runs": [_run("kv", 0, ours), _run("sglang-cache_aware", 0, theirs)]}
+    (row,) = rows(scenario, "kv", slo=0.05, resamples=200)
+    assert (row.good, row.peer_good) == (30, 29)  # a TTFT at the SLO is good
+    assert row.peer_p99 == fleet_verdicts.FAILED
+    assert row.p99 == 0.05
+
+
+def test_the_best_peer_is_the_one_with_most_within_the_slo_then_the_lowest_p90() -> None:
+    base = _ttfts(100, 8, scale=0.01)
+    fast_but_lossy = [t * 0.5 for t in base]
+    fast_but_lossy[0] = 5.0
+    scenario = {
+        "title": "t",
+        "runs": [
+            _run("kv", 0, base),
+            _run("sglang-cache_aware", 0, fast_but_lossy),
+            _run("vllm-router-cache_aware", 0, [t * 0.9 for t in base]),
+        ],
+    }
+    (row,) = rows(scenario, "kv", slo=1.0, resamples=200)
+    assert row.peer == "vllm-router-cache_aware"
+
+
+def test_runs_of_different_arrivals_are_refused() -> None:
+    other = _run("sglang-cache_aware", 0, _ttfts(50, 9))
+    other["requests"][5][0] += 0.5  # not the same plan
+    scenario = {"title": "t", "runs": [_run("kv", 0, _ttfts(50, 9)), other]}
+    with pytest.raises(ValueError, match="same arrivals"):
+        rows(scenario, "kv", 1.0, 100)
+
+
+def test_a_stage_of_few_observations_is_within_noise_whatever_it_reads() -> None:
+    ours = [0.01] * 10
+    theirs = [0.5] * 10
+    assert paired_p90_difference(ours, theirs).verdict == "within noise"
+    assert paired_p90_difference(ours * 2, theirs * 2).verdict == "ahead"
