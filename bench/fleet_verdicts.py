@@ -34,13 +34,15 @@ from typing import Any
 
 import numpy as np
 
+from kvbus.routing.cost import Policy
+
 FAILED = 1e6
 """A failed or unanswered request's TTFT for the statistics (seconds): slower than any."""
 CONFIDENCE = 0.95
 MIN_CLUSTERS = 20
 """Fewer observations than this (requests, a burst counting once) tell nothing apart."""
-OWN = ("kv", "round_robin", "random")
-"""kvbus's own policies: not peers (`Policy`)."""
+OWN = frozenset(policy.value for policy in Policy)
+"""kvbus's own policies: not peers."""
 VERDICTS = ("ahead", "within noise", "behind")
 """Of the first router against the other: more requests within the SLO, or as many and
 a p90 lower in 95% of the resamples; neither; the reverse."""
@@ -54,12 +56,11 @@ class Difference:
     theirs: float
     low: float
     high: float
+    observations: int = MIN_CLUSTERS
 
     @property
     def value(self) -> float:
         return self.ours - self.theirs
-
-    observations: int = MIN_CLUSTERS
 
     @property
     def verdict(self) -> str:
@@ -70,13 +71,6 @@ class Difference:
         if self.low > 0:
             return "behind"
         return "within noise"
-
-
-def p90(values: np.ndarray, axis: int = -1) -> Any:
-    """The bench's quantile (`bench_fleet_routing._quantile`): the value at index
-    ``int(0.9 * n)`` of the sorted sample, along ``axis``."""
-    n = values.shape[axis]
-    return np.sort(values, axis=axis).take(min(n - 1, int(0.9 * n)), axis=axis)
 
 
 def paired_p90_difference(
@@ -107,12 +101,13 @@ def paired_p90_difference(
     differences = _weighted_p90(a, weights) - _weighted_p90(b, weights)
     tail = (1 - CONFIDENCE) / 2
     low, high = np.quantile(differences, [tail, 1 - tail])
-    return Difference(float(p90(a)), float(p90(b)), float(low), float(high), len(code))
+    return Difference(_quantile(a, 0.9), _quantile(b, 0.9), float(low), float(high), len(code))
 
 
 def _weighted_p90(values: np.ndarray, weights: np.ndarray) -> Any:
-    """`p90` of each row's sample, where ``weights[r, i]`` copies of ``values[i]`` are in
-    row ``r``: the first value, in sorted order, whose cumulative count passes the index."""
+    """The p90 (`_quantile`) of each row's sample, where ``weights[r, i]`` copies of
+    ``values[i]`` are in row ``r``: the first value, in sorted order, whose cumulative
+    count passes the index."""
     order = np.argsort(values, kind="stable")
     cumulative = np.cumsum(weights[:, order], axis=1)
     total = cumulative[:, -1]
@@ -120,7 +115,7 @@ def _weighted_p90(values: np.ndarray, weights: np.ndarray) -> Any:
     return values[order][(cumulative > index[:, None]).argmax(axis=1)]
 
 
-def _finite(values: Sequence[float]) -> np.ndarray:
+def _finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
     array = np.asarray(values, dtype=float)
     return np.where(np.isfinite(array), array, FAILED)
 
@@ -130,15 +125,22 @@ class Row:
     stage: str
     repetition: int
     peer: str
-    """The peer with the lowest p90 in this repetition and stage."""
+    """The best peer in this repetition and stage: the most within the SLO, then the
+    lowest p90."""
     difference: Difference
     good: int
     peer_good: int
-    requests: int
-    p99: float = math.nan
-    peer_p99: float = math.nan
+    p99: float
+    peer_p99: float
     """The tail beyond the p90: a router that piles a fault's misses on one engine can
     keep them under a tenth of the requests (its p90 low) and far slower (its p99 high)."""
+
+    @property
+    def verdict(self) -> str:
+        """Goodput first (a request lost outweighs any p90), then the p90's."""
+        if self.good != self.peer_good:
+            return "ahead" if self.good > self.peer_good else "behind"
+        return self.difference.verdict
 
 
 def rows(
@@ -155,6 +157,9 @@ def rows(
     if peers is None:
         peers = {name for name, _ in by_run if name not in OWN}
     peers = sorted(set(peers) - {router})
+    for repetition in repetitions:
+        for peer in (p for p in peers if (p, repetition) in by_run):
+            _check_paired(by_run[(router, repetition)], by_run[(peer, repetition)], peer)
     out: list[Row] = []
     stages = (
         list(dict.fromkeys(q[1] for q in by_run[(router, repetitions[0])])) if repetitions else []
@@ -165,9 +170,8 @@ def rows(
             clusters = _bursts([q for q in by_run[(router, repetition)] if q[1] == stage])
             candidates = []
             for peer in (p for p in peers if (p, repetition) in by_run):
-                _check_paired(by_run[(router, repetition)], by_run[(peer, repetition)], peer)
                 theirs = _stage_ttfts(by_run[(peer, repetition)], stage)
-                candidates.append((-_good(theirs, slo), p90(_finite(theirs)), peer, theirs))
+                candidates.append((-_good(theirs, slo), _quantile(theirs, 0.9), peer, theirs))
             if not ours or not candidates:
                 continue
             # The best peer as the verdict ranks: the most within the SLO, then the p90.
@@ -176,7 +180,7 @@ def rows(
                 Row(
                     stage, repetition, peer,
                     paired_p90_difference(ours, theirs, resamples, repetition, clusters),
-                    _good(ours, slo), _good(theirs, slo), len(ours),
+                    _good(ours, slo), _good(theirs, slo),
                     _quantile(ours, 0.99), _quantile(theirs, 0.99),
                 )
             )  # fmt: skip
@@ -214,7 +218,9 @@ def _stage_ttfts(requests: list[list[Any]], stage: str) -> list[float]:
     return [q[4] if q[3] == 200 and q[4] > 0 else math.inf for q in requests if q[1] == stage]
 
 
-def _quantile(ttfts: list[float], q: float) -> float:
+def _quantile(ttfts: Sequence[float] | np.ndarray, q: float) -> float:
+    """The bench's quantile (`bench_fleet_routing._quantile`): the value at index
+    ``int(q * n)`` of the sorted sample, a failure counting as `FAILED`."""
     ordered = np.sort(_finite(ttfts))
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
@@ -240,9 +246,7 @@ def table(
     counts: dict[str, int] = {}
     for row in found:
         d = row.difference
-        verdict = d.verdict
-        if row.good != row.peer_good:  # goodput first: a request lost outweighs any p90
-            verdict = "ahead" if row.good > row.peer_good else "behind"
+        verdict = row.verdict
         counts[verdict] = counts.get(verdict, 0) + 1
         lines.append(
             f"{row.stage:10} {row.repetition + 1:>3} {row.peer:24} {_ms(d.ours):>8} "
