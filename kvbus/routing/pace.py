@@ -30,15 +30,20 @@ after the warm-up of the fleet bench's (f) (it had served 3-4 requests), kept th
 prefixes it got there and queued their traffic (`BENCHMARKS.md`). A worker read from
 few observations must stray further than the deadband when the fleet's seconds are
 noisy: past twice the fit's residual spread over the square root of their number
-(tests/test_pace.py). A worker reads *fast* only from ``min_fast`` observations: a fast
-reading draws traffic, and on a saturated fleet two first tokens that came quickly are as
-often a lull in its queue as speed (the Mooncake scenario (b) lost goodput when they
-could). A worker's observations are dropped ``stale_after`` seconds
-after its latest: a worker read slow draws little traffic, so nothing would read it
-again. Once settled, the fit and the paces are computed every ``settled_every``
-observations (`SETTLED_EVERY`), not after each. Everything is from the caller's
-observations, reads and clock: the same observations and reads at the same times give
-the same paces.
+(tests/test_pace.py). A reading moves from 1 only as far as the lower median of the
+worker's last `RECENT` first tokens agrees (each over the fit's seconds for it, relative
+to the median worker's): the decayed sums are a mean, and one or two first tokens a
+second late (a hiccup: two vLLM CPU engines on a shared 2-core host stalled 0.6-1 s
+where 20 ms was usual) read a worker four times as slow from its first few, and sent a
+prompt it held elsewhere. A worker slow in most of its recent first tokens is slow.
+A worker reads *fast* only from ``min_fast`` observations: a fast reading draws
+traffic, and on a saturated fleet two first tokens that came quickly are as often a
+lull in its queue as speed (the Mooncake scenario (b) lost goodput when they could). A
+worker's observations are dropped ``stale_after`` seconds after its latest: a worker
+read slow draws little traffic, so nothing would read it again. Once settled, the fit
+and the paces are computed every ``settled_every`` observations (`SETTLED_EVERY`), not
+after each. Everything is from the caller's observations, reads and clock: the same
+observations and reads at the same times give the same paces.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ settled (the fit on ``min_fit`` observations, the worker observed more than
 them (a 4x4 solve and the per-worker readings, ~40 µs) after every first token was a
 tenth of the router's CPU per request. Until then, after each: a worker's first
 readings decide where new prefixes go."""
+RECENT: Final = 5
+"""First tokens per worker whose median bounds its reading (`WorkerPace`): the lower
+median, so one of two, or two of five, cannot make a worker slow (or fast) alone."""
 STALE_AFTER: Final = 10.0
 """Seconds after its latest observation that a worker's observations are dropped."""
 
@@ -112,6 +120,10 @@ class WorkerPace:
         self._busiest = 0.0
         """The most busy requests the fit has seen one observation share steps with
         (decayed as the fit's sums are)."""
+        self._recent_x = np.zeros((16, RECENT, _TERMS))
+        self._recent_seconds = np.zeros((16, RECENT))
+        """Each worker's last `RECENT` observations (a ring: ``_count`` tells where the
+        next goes and how many are held)."""
         self.paces: npt.NDArray[np.float64] = np.ones(16)
         """Each worker's pace, by the index's number (1 where unknown)."""
         self._fitted = np.zeros(_TERMS)
@@ -164,6 +176,9 @@ class WorkerPace:
         self._grow(number)
         self._x[number] = self._x[number] * d + x
         self._seconds[number] = self._seconds[number] * d + seconds
+        slot = int(self._count[number]) % RECENT
+        self._recent_x[number, slot] = x
+        self._recent_seconds[number, slot] = seconds
         self._count[number] += 1
         self._last[number] = self._clock()
         self._since_update += 1
@@ -210,6 +225,8 @@ class WorkerPace:
         self._seconds = np.concatenate([self._seconds, np.zeros(more)])
         self._count = np.concatenate([self._count, np.zeros(more)])
         self._last = np.concatenate([self._last, np.zeros(more)])
+        self._recent_x = np.concatenate([self._recent_x, np.zeros((more, RECENT, _TERMS))])
+        self._recent_seconds = np.concatenate([self._recent_seconds, np.zeros((more, RECENT))])
         self.paces = np.concatenate([self.paces, np.ones(more)])
 
     def _noise(self, beta: npt.NDArray[np.float64]) -> float:
@@ -246,11 +263,40 @@ class WorkerPace:
         # further than one read from a hundred).
         spread = _NOISE_SIGMAS * self._noise(fit) / np.sqrt(np.maximum(self._count, 1.0))
         band = np.exp(np.maximum(math.log(self.deadband), np.minimum(spread, 50.0)))
-        paces[(paces <= band) & (paces >= 1.0 / band)] = 1.0
+        explained = (paces <= band) & (paces >= 1.0 / band)
+        paces[explained] = 1.0
         paces[(paces < 1.0) & (self._count < self.min_fast)] = 1.0
+        if not explained.all():
+            # Only as far from 1 as its recent first tokens' median agrees (see the
+            # module docstring); on a fleet read uniform, nothing to check.
+            recent = np.ones(len(paces))
+            recent[known] = _relative(self._recent_medians(fit, known))
+            paces = np.where(
+                paces > 1.0,
+                np.minimum(paces, np.maximum(recent, 1.0)),
+                np.maximum(paces, np.minimum(recent, 1.0)),
+            )
+            paces[(paces <= band) & (paces >= 1.0 / band)] = 1.0
         self.paces = np.clip(paces, 1.0 / self.limit, self.limit)
         held = self._count > 0
         self._expires = float(self._last[held].min()) + self.stale_after if held.any() else math.inf
+
+    def _recent_medians(
+        self, fit: npt.NDArray[np.float64], known: npt.NDArray[np.bool_]
+    ) -> npt.NDArray[np.float64]:
+        """Each worker's lower median of its recent observations' seconds over the fit's
+        (NaN where none has an expected time), for the workers ``known`` selects;
+        O(workers x `RECENT`)."""
+        held = np.minimum(self._count[known], RECENT)[:, None] > np.arange(RECENT)
+        expected = self._recent_x[known] @ fit
+        valid = held & (expected > 0)
+        ratios = np.where(
+            valid, self._recent_seconds[known] / np.where(valid, expected, 1.0), np.inf
+        )
+        counts = valid.sum(axis=1)
+        middle = np.maximum(counts - 1, 0) // 2
+        medians = np.take_along_axis(np.sort(ratios, axis=1), middle[:, None], axis=1)[:, 0]
+        return np.where(counts > 0, medians, np.nan)
 
     def _expire(self, now: float) -> None:
         """Drop the observations of workers observed last ``stale_after`` ago or earlier:
@@ -270,3 +316,16 @@ class WorkerPace:
         if size > len(self.paces):
             return np.concatenate([self.paces, np.ones(size - len(self.paces))])
         return self.paces[:size]
+
+
+def _relative(readings: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Each reading over the lower median of those known, as `WorkerPace._update` reads
+    the decayed ones (NaN: unknown, read as 1)."""
+    relative = np.ones(len(readings))
+    known = np.isfinite(readings)
+    if not known.any():
+        return relative
+    typical = float(np.sort(readings[known])[(int(known.sum()) - 1) // 2])
+    if typical > 0:
+        relative[known] = readings[known] / typical
+    return relative
