@@ -249,14 +249,7 @@ class WorkerPace:
         known = (self._count >= self.min_samples) & (expected > 0)
         paces = np.ones(len(self._count))
         if known.any():
-            readings = self._seconds[known] / expected[known]
-            # The lower median: with an even count the middle two's mean would make any
-            # gap between two workers read as one slow *and one fast* (a 1.8x gap puts
-            # the faster past the deadband's 1/1.4, and every request goes to it); with
-            # the lower one, the faster of two reads 1 and the slower its ratio.
-            typical = float(np.sort(readings)[(len(readings) - 1) // 2])
-            if typical > 0:
-                paces[known] = readings / typical
+            paces[known] = _relative(self._seconds[known] / expected[known])
         # A reading counts once it is past what noise explains: the deadband, or twice
         # the observations' spread shrunk by how many the worker's reading rests on,
         # whichever is wider (a worker read from its first two requests must stray
@@ -264,8 +257,6 @@ class WorkerPace:
         spread = _NOISE_SIGMAS * self._noise(fit) / np.sqrt(np.maximum(self._count, 1.0))
         band = np.exp(np.maximum(math.log(self.deadband), np.minimum(spread, 50.0)))
         explained = (paces <= band) & (paces >= 1.0 / band)
-        paces[explained] = 1.0
-        paces[(paces < 1.0) & (self._count < self.min_fast)] = 1.0
         if not explained.all():
             # Only as far from 1 as its recent first tokens' median agrees (see the
             # module docstring); on a fleet read uniform, nothing to check.
@@ -276,7 +267,9 @@ class WorkerPace:
                 np.minimum(paces, np.maximum(recent, 1.0)),
                 np.maximum(paces, np.minimum(recent, 1.0)),
             )
-            paces[(paces <= band) & (paces >= 1.0 / band)] = 1.0
+            explained = (paces <= band) & (paces >= 1.0 / band)
+        paces[explained] = 1.0
+        paces[(paces < 1.0) & (self._count < self.min_fast)] = 1.0
         self.paces = np.clip(paces, 1.0 / self.limit, self.limit)
         held = self._count > 0
         self._expires = float(self._last[held].min()) + self.stale_after if held.any() else math.inf
@@ -319,8 +312,11 @@ class WorkerPace:
 
 
 def _relative(readings: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    """Each reading over the lower median of those known, as `WorkerPace._update` reads
-    the decayed ones (NaN: unknown, read as 1)."""
+    """Each reading over the lower median of those known (NaN: unknown, read as 1). The
+    lower median: with an even count the middle two's mean would make any gap between
+    two workers read as one slow *and one fast* (a 1.8x gap puts the faster past the
+    deadband's 1/1.4, and every request goes to it); with the lower one, the faster of
+    two reads 1 and the slower its ratio."""
     relative = np.ones(len(readings))
     known = np.isfinite(readings)
     if not known.any():
