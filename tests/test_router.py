@@ -3,10 +3,13 @@ the HTTP router: test_router_e2e)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvbus import (
     AllBlocksCleared,
@@ -18,6 +21,8 @@ from kvbus import (
     Message,
 )
 from kvbus.bus.subscription import Resync, ResyncReason
+from kvbus.routing.in_flight import RequestsInFlight
+from kvbus.routing.index import PrefixIndex
 from kvbus.routing.router import CostWeights, Policy, Router
 from kvbus.wire.events import SourceStopped
 
@@ -38,10 +43,13 @@ def kv(source: str, *events: object) -> Message:
     return Message(source, 1, 1, Kind.KV, 0.0, batch, b"", 0)
 
 
-def load(source: str, running: int = 0, waiting: int = 0, usage: float = 0.0) -> Message:
-    now = time.time()
-    body = LoadMetrics(ts=now, running=running, waiting=waiting, kv_cache_usage=usage)
-    return Message(source, 1, 1, Kind.METRICS, now, body, b"", 0)
+def load(
+    source: str, running: int = 0, waiting: int = 0, usage: float = 0.0, ago: float = 0.0
+) -> Message:
+    """A load record made ``ago`` seconds before now (wall clock)."""
+    made = time.time() - ago
+    body = LoadMetrics(ts=made, running=running, waiting=waiting, kv_cache_usage=usage)
+    return Message(source, 1, 1, Kind.METRICS, made, body, b"", 0)
 
 
 def stopped(source: str, ts: float) -> Message:
@@ -476,6 +484,68 @@ def test_a_record_that_still_counts_this_routers_ended_request_is_not_foreign_lo
     assert later is not None and later.load == r.weights.waiting
 
 
+def test_others_load_shows_though_this_router_just_ended_requests_there() -> None:
+    """An engine whose record counts two requests of another router (or client), made
+    after five of this router's ended there: all of the record is someone else's. (Its
+    ends counted as its own for ``linger`` would hide every one of them.)"""
+    clock = Clock()
+    r = router(clock=clock)
+    for i in range(5):
+        mine = r.route([20 + i] * 12, exclude={"b"})
+        assert mine is not None and mine.worker == "a"
+        r.finished(mine)
+    clock.now += 0.2
+    r.apply_metrics(load("a", running=2, usage=0.1, ago=0.0))
+    r.apply_metrics(load("b", usage=0.0))
+    decision = r.route([9] * 12, exclude={"b"})
+    assert decision is not None
+    assert decision.load == pytest.approx(2 * r.weights.waiting + 0.1 * r.weights.kv_usage)
+    elsewhere = r.route([9] * 12)
+    assert elsewhere is not None and elsewhere.worker == "b", elsewhere.explain()
+
+
+def test_a_record_made_while_this_routers_request_ran_counts_it_until_one_made_after() -> None:
+    """The record arrives after the request's response ended (the bus is slower than
+    HTTP), made while the request ran: its count is the request's. Once a record made
+    after the end arrives, the ended request is in no record: a count there is someone
+    else's, though the end is within ``linger``."""
+    clock = Clock()
+    r = router(clock=clock)
+    first = r.route(PROMPT, exclude={"b"})
+    assert first is not None
+    clock.now += 0.5
+    r.finished(first)
+    r.apply_metrics(load("a", running=1, ago=0.3))  # made 0.2 s before the end
+    again = r.route([7] * 12, exclude={"b"})
+    assert again is not None and again.load == 0.0, again.explain()
+    r.finished(again)
+    clock.now += 0.3
+    assert clock.now - 0.5 < 1000.0 + r.linger  # both ends still linger
+    r.apply_metrics(load("a", running=1, ago=0.0))  # made 0.3 s after both ended
+    later = r.route([8] * 12, exclude={"b"})
+    assert later is not None and later.load == r.weights.waiting, later.explain()
+
+
+def test_a_records_stamp_within_clock_skew_or_unreadable_lets_go_of_nothing() -> None:
+    """Ends within `CLOCK_SKEW` before a record's stamp (hosts' clocks disagree that
+    much) still count as in it, and every end where the stamp is not a number or before
+    the end; a stamp in the future counts as now."""
+    cases = ((0.02, True), (math.nan, True), (-1e9, True), (1e9, False), (0.1, False))
+    for stamp_after_end, counted_as_ours in cases:
+        clock = Clock()
+        r = router(clock=clock)
+        mine = r.route([5] * 12, exclude={"b"})
+        assert mine is not None
+        r.finished(mine)
+        clock.now += 0.5
+        # ``ago`` as the wall clock sees it: the end was 0.5 s ago (made 0.5 - after ago).
+        r.apply_metrics(load("a", running=1, ago=0.5 - stamp_after_end))
+        decision = r.route([6] * 12, exclude={"b"})
+        assert decision is not None
+        expected = 0.0 if counted_as_ours else r.weights.waiting
+        assert decision.load == expected, (stamp_after_end, decision.explain())
+
+
 def test_a_worker_that_sent_no_event_yet_is_routed_beside_offloaded_blocks() -> None:
     """With blocks off the GPU somewhere, a prompt whose deepest match was a worker
     holding only what was just routed to it (no event of its own yet) raised KeyError
@@ -552,3 +622,54 @@ def test_a_load_record_names_the_block_size_before_any_event() -> None:
     # The engines' own events decide once they come: a store of another size wins.
     r.apply_kv(kv("b", BlockStored([1], None, PROMPT[:8], 8, None, "GPU", None)))
     assert r.index.block_size == 8
+
+
+class _Ended:
+    """A request of this router, as `RequestsInFlight` counts it (`Routed`)."""
+
+    def __init__(self, number: int) -> None:
+        self.worker, self.number = "ab"[number], number
+        self.keys: list[int] = []
+        self.window_keys: list[int] = []
+        self.window_ends: list[int] = []
+        self.prefill_blocks, self.new_blocks = 0.0, 0
+        self.streaming = self.ended = False
+        self.routed_at, self.predicted_ttft = 0.0, math.nan
+        self.peer, self.recompute_blocks = "", 0.0
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["end", "record", "tick"]), st.integers(0, 1), st.floats(0, 1.5)),
+        max_size=80,
+    )
+)
+def test_an_ended_request_counts_until_a_record_made_after_it_or_its_linger_ends(
+    steps: list[tuple[str, int, float]],
+) -> None:
+    """Against a model: each worker's ended requests that count as in its record are
+    those that ended at or after the latest made of its records so far, within
+    ``linger``; records arrive in any order of their making."""
+    clock = Clock()
+    requests = RequestsInFlight(PrefixIndex(B), clock, linger=1.0)
+    ends: list[list[float]] = [[], []]
+    made_by = [-math.inf, -math.inf]
+    for step, number, seconds in steps:
+        if step == "end":
+            request = _Ended(number)
+            requests.assign(request)
+            requests.finished(request)
+            ends[number].append(clock.now)
+        elif step == "record":
+            made = clock.now - seconds
+            requests.counted_until(number, made)
+            made_by[number] = max(made_by[number], made)
+        else:
+            clock.now += seconds
+            requests.expire(clock.now)
+            for n in (0, 1):
+                ends[n] = [e for e in ends[n] if e + 1.0 > clock.now]
+        for n in (0, 1):
+            expected = sum(1 for e in ends[n] if e >= made_by[n])
+            assert requests.ended_since_record(n) == expected
+            assert requests.ours(n) == expected

@@ -6,8 +6,11 @@ Load is counted in the same unit as the prefix: a request this router sent that 
 started streaming yet (the caller says when it does: `Router.started`) still has its
 uncached blocks to prefill, and the new request would wait for them; one that is
 streaming costs a decode slot. Requests the router did not send (other routers, direct
-clients) come from the engine's latest `LoadMetrics`, less this router's own (those that
-ended within ``linger`` seconds included: the engine's record may predate their end).
+clients) come from the engine's latest `LoadMetrics`, less this router's own: those in
+flight, and those that ended after the record was made (its ``ts``, on the wall clock;
+within ``linger`` seconds), which the record still counts. Those that ended before it
+are in no record from then on: counting them as this router's would hide as many of
+the others' (at a few of its requests a second, all of them).
 
 Insertions feed the cost's eviction term: they are counted from the engines' own
 ``BlockStored`` events (decode blocks and other routers' traffic included) plus the
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from typing import Final
@@ -51,6 +55,11 @@ MAX_KV_CACHE_BLOCKS: Final = 1 << 24
 """The most KV cache blocks a worker's load record may claim (vLLM's largest caches hold
 a few million); a larger claim counts as this many (``Router.load_clamped``)."""
 
+CLOCK_SKEW: Final = 0.05
+"""Seconds: a request of this router that ended this long before a load record was made
+(by the engine's wall clock against this host's) may still be in it. Hosts under NTP
+agree to a few milliseconds; one host, exactly."""
+
 LoadCost = Callable[[float, int, int, float], float]
 """A worker's load cost from (blocks this router's queued requests still prefill there,
 its requests streaming there, other requests there, KV cache usage): the cost model's."""
@@ -68,6 +77,7 @@ class FleetState:
         stale_after: float,
         linger: float,
         load_cost: LoadCost,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.index = index
         self.stale_after = stale_after
@@ -75,6 +85,8 @@ class FleetState:
         """Load records with a figure out of range (`MAX_KV_CACHE_BLOCKS`, a KV usage
         outside 0..1 or not a number), applied with it clamped."""
         self._clock = clock
+        self._wall = wall
+        """the clock engines stamp their load records with (``LoadMetrics.ts``)"""
         self._load_cost = load_cost
         self.load_workers: dict[str, int] = {}
         """Workers that sent load records: only these may appear in peers' events."""
@@ -152,6 +164,7 @@ class FleetState:
         self._heard[number] = heard
         self.from_engine.discard(number)
         self.fresh[number] = heard + self.stale_after
+        self._made(number, metrics)
         if metrics.kv_cache_blocks > 0:
             self.capacity[number] = metrics.kv_cache_blocks
             # The index then holds no more of this worker's blocks than its engine can.
@@ -171,7 +184,18 @@ class FleetState:
         self._metrics[number] = self._checked(worker, metrics)
         self.from_engine.add(number)
         self.fresh[number] = self._clock() + self.stale_after
+        self._made(number, metrics)
         self.refresh(number)
+
+    def _made(self, number: int, metrics: LoadMetrics) -> None:
+        """The worker's latest load record was made at ``metrics.ts`` (wall clock): this
+        router's requests that ended before then no longer count as in it. A stamp in
+        the future (a clock ahead) counts as now; one not a number, or far in the past
+        (a replay, a forgery), lets go of none."""
+        ago = self._wall() - metrics.ts
+        if ago < math.inf:  # False for NaN
+            made = self._clock() - max(ago, 0.0) - CLOCK_SKEW
+            self.requests.counted_until(number, made)
 
     def load_age(self, worker: str) -> float:
         """Seconds since ``worker``'s latest load record on the bus was made (inf: none
@@ -257,7 +281,7 @@ class FleetState:
 
     def _others(self, number: int, metrics: LoadMetrics) -> int:
         """Requests on the worker that this router did not send (the engine's count,
-        less this router's: its queued, streaming and just ended ones)."""
+        less this router's: its queued, streaming and ended since the record)."""
         return max(0, metrics.running + metrics.waiting - self.requests.ours(number))
 
     def busy(self, number: int) -> int:

@@ -4,7 +4,8 @@ prompt blocks they are about to cache there.
 A request just routed counts on its worker as queued (its blocks still to prefill)
 until it starts streaming, then as streaming (a decode slot) until it ends; for
 ``linger`` seconds after it ends it still counts as the worker's, since the engine's
-next load record may predate its end. Its prompt's block keys are *pending* on the
+next load record may predate its end, until a record made after its end arrives (one
+that does not count it). Its prompt's block keys are *pending* on the
 worker from the moment it is routed (``pending``, and ``pending_masks`` in the index's
 holder-mask form, which `kvbus.routing.cost.CostModel` matches beside the index), so
 that a burst of similar requests does not all miss before the engine's events arrive.
@@ -78,10 +79,13 @@ class RequestsInFlight:
         """worker -> {the last block key of a request in ``_finishing`` -> those requests
         (by ``id``)}: the index, which shares it, tells when the engine's events store
         it (`stored`)"""
-        self._ended: deque[tuple[float, int]] = deque()
-        """(until, worker) of requests of this router that ended less than ``linger``
-        ago: the engine's next load record may still count them"""
-        self._ended_count: dict[int, int] = {}
+        self._ended: deque[tuple[float, int, float]] = deque()
+        """(until, worker, when it ended) of requests of this router that ended less than
+        ``linger`` ago, oldest first"""
+        self._ended_at: dict[int, deque[float]] = {}
+        """worker -> when (clock) its requests in ``_ended`` ended, oldest first, less
+        those that ended before its latest load record was made (`counted_until`): the
+        record does not count them, so they are not what it counts"""
         self._exposed: dict[int, dict[int, Routed]] = {}
         """worker -> its requests in flight that a reset would make compute more (by
         ``id``): each one routed there since its latest reset"""
@@ -107,10 +111,29 @@ class RequestsInFlight:
 
     def ours(self, number: int) -> int:
         """This router's requests the worker's engine may be counting: queued,
-        streaming, and ended within ``linger``."""
+        streaming, and ended within ``linger`` but after its latest load record."""
         queued = self._queued.get(number)
         count = int(queued[0]) if queued else 0
-        return count + self._streaming.get(number, 0) + self._ended_count.get(number, 0)
+        return count + self._streaming.get(number, 0) + self.ended_since_record(number)
+
+    def ended_since_record(self, number: int) -> int:
+        """This router's requests on the worker that ended (within ``linger``) after its
+        latest load record was made: the record still counts them, and their KV usage."""
+        ended = self._ended_at.get(number)
+        return len(ended) if ended else 0
+
+    def counted_until(self, number: int, made: float) -> bool:
+        """The worker's latest load record was made at ``made`` (this router's clock):
+        its requests that ended before then are in no record from now on. Amortised
+        O(1): each end is let go of once. Returns whether any was."""
+        ended = self._ended_at.get(number)
+        if not ended or ended[0] >= made:
+            return False
+        while ended and ended[0] < made:
+            ended.popleft()
+        if not ended:
+            del self._ended_at[number]
+        return True
 
     def oldest_unstarted(self, number: int) -> Routed | None:
         """This router's request routed to a worker longest ago that has not started
@@ -187,8 +210,8 @@ class RequestsInFlight:
             queued[0] -= 1
             queued[1] = max(0.0, queued[1] - request.prefill_blocks)
         now = self._clock()
-        self._ended.append((now + self.linger, number))
-        self._ended_count[number] = self._ended_count.get(number, 0) + 1
+        self._ended.append((now + self.linger, number, now))
+        self._ended_at.setdefault(number, deque()).append(now)
         # Blocks the engine's events already reported are the index's business from now
         # on (they may be evicted as soon as the request ends); the rest linger.
         held: list[int] = []
@@ -259,9 +282,14 @@ class RequestsInFlight:
             self._release_window(request)
         changed: set[int] = set()
         while self._ended and self._ended[0][0] <= now:
-            _, number = self._ended.popleft()
-            self._ended_count[number] -= 1
-            changed.add(number)
+            _, number, ended_at = self._ended.popleft()
+            ended = self._ended_at.get(number)
+            # Not there if a load record made since let go of it (`counted_until`).
+            if ended and ended[0] <= ended_at:
+                ended.popleft()
+                if not ended:
+                    del self._ended_at[number]
+                changed.add(number)
         return changed
 
     def cleared(self, number: int, preempted: bool = False) -> None:

@@ -63,6 +63,7 @@ class Router:
         shed_after: float | None = None,
         session_slack: float = 64.0,
         session_ttl: float = 600.0,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.shed_after = shed_after
         self.session_slack = session_slack
@@ -83,7 +84,7 @@ class Router:
         self.index = PrefixIndex(block_size, medium_weights or DEFAULT_MEDIUM_WEIGHTS)
         self._clock = clock
         self.cost = CostModel(Policy(policy), weights or CostWeights(), self.index, seed)
-        self.state = FleetState(self.index, clock, stale_after, linger, self.cost.load_cost)
+        self.state = FleetState(self.index, clock, stale_after, linger, self.cost.load_cost, wall)
         self.replica_requests = PeerRequests(peer_timeout)
         self._requests = itertools.count(1)
         self.kv_seq: dict[str, int] = {}
