@@ -118,22 +118,21 @@ class RequestsInFlight:
 
     def ended_since_record(self, number: int) -> int:
         """This router's requests on the worker that ended (within ``linger``) after its
-        latest load record was made: the record still counts them, and their KV usage."""
+        latest load record was made: the record still counts them."""
         ended = self._ended_at.get(number)
         return len(ended) if ended else 0
 
-    def counted_until(self, number: int, made: float) -> bool:
+    def counted_until(self, number: int, made: float) -> None:
         """The worker's latest load record was made at ``made`` (this router's clock):
         its requests that ended before then are in no record from now on. Amortised
-        O(1): each end is let go of once. Returns whether any was."""
+        O(1): each end is let go of once."""
         ended = self._ended_at.get(number)
-        if not ended or ended[0] >= made:
-            return False
+        if ended is None:
+            return
         while ended and ended[0] < made:
             ended.popleft()
         if not ended:
             del self._ended_at[number]
-        return True
 
     def oldest_unstarted(self, number: int) -> Routed | None:
         """This router's request routed to a worker longest ago that has not started
