@@ -14,12 +14,15 @@ outweighs any p90); otherwise "within noise".
 What this cannot see: the run-to-run noise of the machine (a router's p90 over the same
 plan moves between runs, by up to 19 ms in (f) here), which only repeated runs measure:
 kv against its own rerun read "behind" in 2 of 18 stage-repetitions (BENCHMARKS.md).
-One run's "ahead" or "behind" is worth a rerun before it is believed. Stages of fewer
+One run's "ahead" or "behind" is worth a rerun before it is believed: given several
+results files (several runs of the same plans), each router's runs of a repetition are
+pooled (its p90 is of all their requests; a request drawn in a resample is drawn in
+every run of both routers), and a run copied into several files counts once. Stages of fewer
 than `MIN_CLUSTERS` observations are "within noise" whatever they read. Two bursts
 arriving within `BURST_GAP` of each other are drawn as one (the JSON does not say which
 prompt a request had): that widens the interval, never narrows it.
 
-    python bench/fleet_verdicts.py RESULTS.json [--router kv] [--resamples 2000]
+    python bench/fleet_verdicts.py RESULTS.json [MORE.json ...] [--router kv] [--resamples 2000]
 """
 
 from __future__ import annotations
@@ -74,8 +77,8 @@ class Difference:
 
 
 def paired_p90_difference(
-    ours: Sequence[float],
-    theirs: Sequence[float],
+    ours: Sequence[float] | Sequence[Sequence[float]],
+    theirs: Sequence[float] | Sequence[Sequence[float]],
     resamples: int = 2000,
     seed: int = 0,
     clusters: Sequence[Hashable] | None = None,
@@ -83,25 +86,39 @@ def paired_p90_difference(
     """The p90 of ``ours`` less that of ``theirs``, where ``ours[i]`` and ``theirs[i]`` are
     the same request's TTFT under two routers (``math.inf`` or ``nan``: it failed).
 
-    ``clusters`` (one label per request) resamples requests that share a label together:
-    siblings of one burst wait for one prefill and share a TTFT, so they are one
-    observation, not eight. Default: every request apart."""
-    if len(ours) != len(theirs) or not ours:
-        raise ValueError(f"need two equal, non-empty samples, got {len(ours)} and {len(theirs)}")
-    a = _finite(ours)
-    b = _finite(theirs)
-    labels = list(range(len(a))) if clusters is None else list(clusters)
-    if len(labels) != len(a):
-        raise ValueError(f"{len(labels)} cluster labels for {len(a)} requests")
+    Either may be several runs of the same requests (a row per run, as many rows as
+    there were runs): its p90 is then of all its runs' requests, and a request drawn in a
+    resample is drawn in every run. ``clusters`` (one label per request) resamples
+    requests that share a label together: siblings of one burst wait for one prefill and
+    share a TTFT, so they are one observation, not eight. Default: every request apart."""
+    a = _runs(ours)
+    b = _runs(theirs)
+    if a.shape[1] != b.shape[1] or not a.shape[1]:
+        raise ValueError(f"need two equal, non-empty samples, got {a.shape[1]} and {b.shape[1]}")
+    labels = list(range(a.shape[1])) if clusters is None else list(clusters)
+    if len(labels) != a.shape[1]:
+        raise ValueError(f"{len(labels)} cluster labels for {a.shape[1]} requests")
     code = {label: i for i, label in enumerate(dict.fromkeys(labels))}
     of_request = np.array([code[label] for label in labels])
     rng = np.random.default_rng(seed)
     counts = rng.multinomial(len(code), np.full(len(code), 1 / len(code)), size=resamples)
     weights = counts[:, of_request]  # how often each request is in each resample
-    differences = _weighted_p90(a, weights) - _weighted_p90(b, weights)
+    differences = _weighted_p90(a.ravel(), np.tile(weights, len(a))) - _weighted_p90(
+        b.ravel(), np.tile(weights, len(b))
+    )
     tail = (1 - CONFIDENCE) / 2
     low, high = np.quantile(differences, [tail, 1 - tail])
     return Difference(_quantile(a, 0.9), _quantile(b, 0.9), float(low), float(high), len(code))
+
+
+def _runs(sample: Sequence[float] | Sequence[Sequence[float]]) -> np.ndarray:
+    """A sample as a 2-D array of finite TTFTs, a row per run."""
+    array = _finite(np.asarray(sample, dtype=float))
+    if array.ndim == 1:
+        array = array[None, :]
+    if array.ndim != 2:
+        raise ValueError(f"a sample is a run or a list of runs, not {array.ndim}-D")
+    return array
 
 
 def _weighted_p90(values: np.ndarray, weights: np.ndarray) -> Any:
@@ -116,7 +133,7 @@ def _weighted_p90(values: np.ndarray, weights: np.ndarray) -> Any:
 
 
 def _finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
-    array = np.asarray(values, dtype=float)
+    array = np.asarray(values, dtype=float)  # any shape
     return np.where(np.isfinite(array), array, FAILED)
 
 
@@ -128,12 +145,15 @@ class Row:
     """The best peer in this repetition and stage: the most within the SLO, then the
     lowest p90."""
     difference: Difference
-    good: int
-    peer_good: int
+    good: float
+    peer_good: float
     p99: float
     peer_p99: float
     """The tail beyond the p90: a router that piles a fault's misses on one engine can
     keep them under a tenth of the requests (its p90 low) and far slower (its p99 high)."""
+    runs: int = 1
+    peer_runs: int = 1
+    """Runs pooled (``good`` and ``peer_good`` are their mean)."""
 
     @property
     def verdict(self) -> str:
@@ -149,30 +169,38 @@ def rows(
 ) -> list[Row]:  # fmt: skip
     """Per stage (warm-up aside) and repetition, ``router`` against the best of ``peers``
     (default: every router in ``scenario`` but kvbus's own) in that repetition and stage;
-    ``scenario`` is one entry of the JSON's ``scenarios``."""
-    by_run: dict[tuple[str, int], list[list[Any]]] = {
-        (r["router"], r["repetition"]): r["requests"] for r in scenario["runs"]
-    }
+    ``scenario`` is one entry of the JSON's ``scenarios``, or several runs' entries with
+    their ``runs`` put together (`merged`): a router's runs of one repetition pool."""
+    by_run: dict[tuple[str, int], list[list[list[Any]]]] = {}
+    for run in scenario["runs"]:
+        runs = by_run.setdefault((run["router"], run["repetition"]), [])
+        if run["requests"] not in runs:  # a run copied into two results files: once
+            runs.append(run["requests"])
     repetitions = sorted({rep for name, rep in by_run if name == router})
     if peers is None:
         peers = {name for name, _ in by_run if name not in OWN}
     peers = sorted(set(peers) - {router})
-    for repetition in repetitions:
-        for peer in (p for p in peers if (p, repetition) in by_run):
-            _check_paired(by_run[(router, repetition)], by_run[(peer, repetition)], peer)
+    for (name, repetition), runs in by_run.items():
+        if (name != router and name not in peers) or (router, repetition) not in by_run:
+            continue
+        for requests in runs:
+            _check_paired(by_run[(router, repetition)][0], requests, name)
     out: list[Row] = []
     stages = (
-        list(dict.fromkeys(q[1] for q in by_run[(router, repetitions[0])])) if repetitions else []
+        list(dict.fromkeys(q[1] for q in by_run[(router, repetitions[0])][0]))
+        if repetitions
+        else []
     )
     for stage in (s for s in stages if s != "warm-up"):
         for repetition in repetitions:
-            ours = _stage_ttfts(by_run[(router, repetition)], stage)
-            clusters = _bursts([q for q in by_run[(router, repetition)] if q[1] == stage])
+            ours = [_stage_ttfts(run, stage) for run in by_run[(router, repetition)]]
+            first = by_run[(router, repetition)][0]
+            clusters = _bursts([q for q in first if q[1] == stage])
             candidates = []
             for peer in (p for p in peers if (p, repetition) in by_run):
-                theirs = _stage_ttfts(by_run[(peer, repetition)], stage)
+                theirs = [_stage_ttfts(run, stage) for run in by_run[(peer, repetition)]]
                 candidates.append((-_good(theirs, slo), _quantile(theirs, 0.9), peer, theirs))
-            if not ours or not candidates:
+            if not ours[0] or not candidates:
                 continue
             # The best peer as the verdict ranks: the most within the SLO, then the p90.
             *_, peer, theirs = min(candidates, key=lambda c: (c[0], c[1], c[2]))
@@ -182,9 +210,21 @@ def rows(
                     paired_p90_difference(ours, theirs, resamples, repetition, clusters),
                     _good(ours, slo), _good(theirs, slo),
                     _quantile(ours, 0.99), _quantile(theirs, 0.99),
+                    len(ours), len(theirs),
                 )
             )  # fmt: skip
     return out
+
+
+def merged(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The scenarios of several results files, each with the runs of all of them (of the
+    same plans: `rows` refuses runs of other arrivals)."""
+    scenarios: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        for key, scenario in report["scenarios"].items():
+            into = scenarios.setdefault(key, {**scenario, "runs": []})
+            into["runs"] = into["runs"] + scenario["runs"]
+    return scenarios
 
 
 def _check_paired(ours: list[list[Any]], theirs: list[list[Any]], peer: str) -> None:
@@ -218,15 +258,16 @@ def _stage_ttfts(requests: list[list[Any]], stage: str) -> list[float]:
     return [q[4] if q[3] == 200 and q[4] > 0 else math.inf for q in requests if q[1] == stage]
 
 
-def _quantile(ttfts: Sequence[float] | np.ndarray, q: float) -> float:
+def _quantile(ttfts: Sequence[float] | Sequence[Sequence[float]] | np.ndarray, q: float) -> float:
     """The bench's quantile (`bench_fleet_routing._quantile`): the value at index
-    ``int(q * n)`` of the sorted sample, a failure counting as `FAILED`."""
-    ordered = np.sort(_finite(ttfts))
+    ``int(q * n)`` of the sorted sample (of all its runs), a failure counting as `FAILED`."""
+    ordered = np.sort(_finite(np.asarray(ttfts, dtype=float)).ravel())
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
-def _good(ttfts: list[float], slo: float) -> int:
-    return sum(1 for t in ttfts if t <= slo)
+def _good(runs: list[list[float]], slo: float) -> float:
+    """Requests within the SLO, the mean over the runs."""
+    return sum(sum(1 for t in ttfts if t <= slo) for ttfts in runs) / len(runs)
 
 
 def table(
@@ -242,6 +283,9 @@ def table(
         f"{'diff':>6} {'95% of resamples':>17} {'good':>9} {'verdict':12} "
         f"{'p99 ' + router + '/peer':>14}"
     )
+    pooled = any(row.runs > 1 or row.peer_runs > 1 for row in found)
+    if pooled:
+        head += " runs"
     lines = [head, "-" * len(head)]
     counts: dict[str, int] = {}
     for row in found:
@@ -252,8 +296,9 @@ def table(
             f"{row.stage:10} {row.repetition + 1:>3} {row.peer:24} {_ms(d.ours):>8} "
             f"{_ms(d.theirs):>8} {_ms(d.value, sign=True):>6} "
             f"{'[' + _ms(d.low, sign=True) + ', ' + _ms(d.high, sign=True) + ']':>17} "
-            f"{f'{row.good}/{row.peer_good}':>9} {verdict:12} "
+            f"{f'{_count(row.good)}/{_count(row.peer_good)}':>9} {verdict:12} "
             f"{_ms(row.p99) + '/' + _ms(row.peer_p99):>14}"
+            + (f" {row.runs}/{row.peer_runs}" if pooled else "")
         )
     lines.append(
         f"{router}: "
@@ -262,6 +307,11 @@ def table(
         " then TTFT p90 in ms)"
     )
     return "\n".join(lines)
+
+
+def _count(requests: float) -> str:
+    """A count of requests, or a mean of counts over runs."""
+    return f"{requests:.0f}" if requests == int(requests) else f"{requests:.1f}"
 
 
 def _ms(seconds: float, sign: bool = False) -> str:
@@ -276,13 +326,19 @@ def _ms(seconds: float, sign: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="bench_fleet_routing.py's --json")
+    parser.add_argument(
+        "results", type=Path, nargs="+",
+        help="bench_fleet_routing.py's --json; several: runs of the same plans, pooled",
+    )  # fmt: skip
     parser.add_argument("--router", default="kv")
     parser.add_argument("--resamples", type=int, default=2000)
     args = parser.parse_args(argv)
-    report = json.loads(args.results.read_text())
-    slo = float(report.get("args", {}).get("slo", 1.0))
-    for key, scenario in report["scenarios"].items():
+    reports = [json.loads(path.read_text()) for path in args.results]
+    slos = {float(report.get("args", {}).get("slo", 1.0)) for report in reports}
+    if len(slos) > 1:
+        parser.error(f"the results were run with different SLOs: {sorted(slos)}")
+    slo = slos.pop()
+    for key, scenario in merged(reports).items():
         print(f"\n({key}) {scenario['title']}")
         print(table(scenario, args.router, slo, args.resamples))
 

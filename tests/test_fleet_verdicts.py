@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from typing import Any
@@ -205,3 +206,61 @@ def test_a_stage_of_few_observations_is_within_noise_whatever_it_reads() -> None
     theirs = [0.5] * 10
     assert paired_p90_difference(ours, theirs).verdict == "within noise"
     assert paired_p90_difference(ours * 2, theirs * 2).verdict == "ahead"
+
+
+def test_runs_pool_into_one_p90_and_a_run_in_two_files_counts_once() -> None:
+    """Two runs of kv on one plan, a third the first's copy (results merged into another
+    file); kv's p90 is that of both runs' requests, its goodput their mean."""
+    fast, slow = _ttfts(200, 10, scale=0.02), _ttfts(200, 11, scale=0.08)
+    slow[0] = 5.0  # one request over the SLO in the second run
+    peer = _ttfts(200, 12, scale=0.05)
+    first = {"args": {"slo": 1.0}, "scenarios": {"c": {"title": "t", "runs": [
+        _run("kv", 0, fast), _run("sglang-cache_aware", 0, peer)]}}}  # fmt: skip
+    second = {"args": {"slo": 1.0}, "scenarios": {"c": {"title": "t", "runs": [
+        _run("kv", 0, slow), _run("kv", 0, fast)]}}}  # fmt: skip
+    scenario = fleet_verdicts.merged([first, second])["c"]
+    assert len(scenario["runs"]) == 4
+    (row,) = rows(scenario, "kv", 1.0, 300)
+    assert (row.runs, row.peer_runs) == (2, 1)
+    pooled = sorted(fast + slow)
+    assert row.difference.ours == pooled[int(0.9 * len(pooled))]
+    assert row.good == 199.5 and row.peer_good == 200
+    assert row.verdict == "behind"  # half a request more failed on average
+    printed = table(scenario, "kv", 1.0, 300)
+    assert "199.5/200" in printed and printed.splitlines()[2].endswith(" 2/1")
+
+
+def test_a_run_twice_resamples_as_the_run_once() -> None:
+    """Pooled runs draw a request in every run at once: two copies of one run are the
+    run, to the p90 and its interval."""
+    ours, theirs = _ttfts(300, 13), _ttfts(300, 14)
+    once = paired_p90_difference(ours, theirs, resamples=400)
+    twice = paired_p90_difference([ours, ours], [theirs, theirs, theirs], resamples=400)
+    assert (twice.ours, twice.theirs, twice.low, twice.high) == (
+        once.ours, once.theirs, once.low, once.high,
+    )  # fmt: skip
+
+
+def test_runs_that_miss_the_p90_on_either_side_pool_to_within_noise() -> None:
+    """The lottery of a p90 at a cliff: in each router's runs, 15 or 40 of 250 requests
+    are slow, the other way round in the peer's. Each run alone is "ahead" or "behind";
+    pooled, the two routers are the same."""
+
+    def run(slow: int) -> list[float]:
+        return [0.2] * slow + [0.03] * (250 - slow)
+
+    lucky, unlucky = run(15), run(40)
+    assert paired_p90_difference(lucky, unlucky).verdict == "ahead"
+    assert paired_p90_difference(unlucky, lucky).verdict == "behind"
+    assert paired_p90_difference([lucky, unlucky], [unlucky, lucky]).verdict == "within noise"
+
+
+def test_results_of_different_slos_are_refused(tmp_path: Any, capsys: Any) -> None:
+    paths = []
+    for i, slo in enumerate((1.0, 2.0)):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps({"args": {"slo": slo}, "scenarios": {}}))
+        paths.append(str(path))
+    with pytest.raises(SystemExit):
+        fleet_verdicts.main(paths)
+    assert "different SLOs" in capsys.readouterr().err
