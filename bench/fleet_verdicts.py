@@ -113,7 +113,7 @@ def paired_p90_difference(
 
 def _runs(sample: Sequence[float] | Sequence[Sequence[float]]) -> np.ndarray:
     """A sample as a 2-D array of finite TTFTs, a row per run."""
-    array = _finite(np.asarray(sample, dtype=float))
+    array = _finite(sample)
     if array.ndim == 1:
         array = array[None, :]
     if array.ndim != 2:
@@ -132,8 +132,9 @@ def _weighted_p90(values: np.ndarray, weights: np.ndarray) -> Any:
     return values[order][(cumulative > index[:, None]).argmax(axis=1)]
 
 
-def _finite(values: Sequence[float] | np.ndarray) -> np.ndarray:
-    array = np.asarray(values, dtype=float)  # any shape
+def _finite(values: Sequence[float] | Sequence[Sequence[float]] | np.ndarray) -> np.ndarray:
+    """TTFTs (one run, or a row per run) as floats, a failure as `FAILED`."""
+    array = np.asarray(values, dtype=float)
     return np.where(np.isfinite(array), array, FAILED)
 
 
@@ -261,7 +262,7 @@ def _stage_ttfts(requests: list[list[Any]], stage: str) -> list[float]:
 def _quantile(ttfts: Sequence[float] | Sequence[Sequence[float]] | np.ndarray, q: float) -> float:
     """The bench's quantile (`bench_fleet_routing._quantile`): the value at index
     ``int(q * n)`` of the sorted sample (of all its runs), a failure counting as `FAILED`."""
-    ordered = np.sort(_finite(np.asarray(ttfts, dtype=float)).ravel())
+    ordered = np.sort(_finite(ttfts).ravel())
     return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
