@@ -22,6 +22,12 @@ than `MIN_CLUSTERS` observations are "within noise" whatever they read. Two burs
 arriving within `BURST_GAP` of each other are drawn as one (the JSON does not say which
 prompt a request had): that widens the interval, never narrows it.
 
+A repetition is one draw of the scenario's arrivals, and which engine a stage's random
+traffic peaks on is part of the draw. Whether a peer wins a stage, rather than one draw of
+it, is read over every repetition (`stage_verdicts`, printed below the rows when there
+are several): kv against each peer on all the repetitions' requests together, and in how
+many repetitions its p90 was at or under the peer's.
+
     python bench/fleet_verdicts.py RESULTS.json [MORE.json ...] [--router kv] [--resamples 2000]
 """
 
@@ -158,10 +164,14 @@ class Row:
 
     @property
     def verdict(self) -> str:
-        """Goodput first (a request lost outweighs any p90), then the p90's."""
-        if self.good != self.peer_good:
-            return "ahead" if self.good > self.peer_good else "behind"
-        return self.difference.verdict
+        return _verdict(self.good, self.peer_good, self.difference)
+
+
+def _verdict(good: float, peer_good: float, difference: Difference) -> str:
+    """Goodput first (a request lost outweighs any p90), then the p90's."""
+    if good != peer_good:
+        return "ahead" if good > peer_good else "behind"
+    return difference.verdict
 
 
 def rows(
@@ -172,33 +182,15 @@ def rows(
     (default: every router in ``scenario`` but kvbus's own) in that repetition and stage;
     ``scenario`` is one entry of the JSON's ``scenarios``, or several runs' entries with
     their ``runs`` put together (`merged`): a router's runs of one repetition pool."""
-    by_run: dict[tuple[str, int], list[list[list[Any]]]] = {}
-    for run in scenario["runs"]:
-        runs = by_run.setdefault((run["router"], run["repetition"]), [])
-        if run["requests"] not in runs:  # a run copied into two results files: once
-            runs.append(run["requests"])
-    repetitions = sorted({rep for name, rep in by_run if name == router})
-    if peers is None:
-        peers = {name for name, _ in by_run if name not in OWN}
-    peers = sorted(set(peers) - {router})
-    for (name, repetition), runs in by_run.items():
-        if (name != router and name not in peers) or (router, repetition) not in by_run:
-            continue
-        for requests in runs:
-            _check_paired(by_run[(router, repetition)][0], requests, name)
+    by_run, repetitions, named, stages = _grouped(scenario, router, peers)
     out: list[Row] = []
-    stages = (
-        list(dict.fromkeys(q[1] for q in by_run[(router, repetitions[0])][0]))
-        if repetitions
-        else []
-    )
-    for stage in (s for s in stages if s != "warm-up"):
+    for stage in stages:
         for repetition in repetitions:
             ours = [_stage_ttfts(run, stage) for run in by_run[(router, repetition)]]
             first = by_run[(router, repetition)][0]
             clusters = _bursts([q for q in first if q[1] == stage])
             candidates = []
-            for peer in (p for p in peers if (p, repetition) in by_run):
+            for peer in (p for p in named if (p, repetition) in by_run):
                 theirs = [_stage_ttfts(run, stage) for run in by_run[(peer, repetition)]]
                 candidates.append((-_good(theirs, slo), _quantile(theirs, 0.9), peer, theirs))
             if not ours[0] or not candidates:
@@ -215,6 +207,107 @@ def rows(
                 )
             )  # fmt: skip
     return out
+
+
+Runs = dict[tuple[str, int], list[list[list[Any]]]]
+"""(router, repetition) -> the requests of each of its runs (bench rows)"""
+
+
+def _grouped(
+    scenario: dict[str, Any], router: str, peers: Collection[str] | None
+) -> tuple[Runs, list[int], list[str], list[str]]:
+    """The scenario's runs by router and repetition (a run copied into two results files
+    once), ``router``'s repetitions, the peers (default: every router but kvbus's own)
+    and the stages (warm-up aside); every peer's run checked to be of ``router``'s plan."""
+    by_run: Runs = {}
+    for run in scenario["runs"]:
+        runs = by_run.setdefault((run["router"], run["repetition"]), [])
+        if run["requests"] not in runs:  # a run copied into two results files: once
+            runs.append(run["requests"])
+    repetitions = sorted({rep for name, rep in by_run if name == router})
+    if peers is None:
+        peers = {name for name, _ in by_run if name not in OWN}
+    named = sorted(set(peers) - {router})
+    for (name, repetition), runs in by_run.items():
+        if (name != router and name not in named) or (router, repetition) not in by_run:
+            continue
+        for requests in runs:
+            _check_paired(by_run[(router, repetition)][0], requests, name)
+    stages = (
+        list(dict.fromkeys(q[1] for q in by_run[(router, repetitions[0])][0]))
+        if repetitions
+        else []
+    )
+    return by_run, repetitions, named, [s for s in stages if s != "warm-up"]
+
+
+@dataclass(frozen=True)
+class StageVerdict:
+    """``router`` against one peer over every repetition of a stage: whether the peer
+    wins the stage, not one draw of its arrivals."""
+
+    stage: str
+    peer: str
+    difference: Difference
+    """The p90 of all the repetitions' requests together, and its resampled interval."""
+    good: float
+    peer_good: float
+    """Requests within the SLO, summed over the repetitions (each the mean of its runs)."""
+    repetitions: int
+    at_or_under: int
+    """Repetitions where ``router``'s p90 was at or under the peer's."""
+
+    @property
+    def verdict(self) -> str:
+        return _verdict(self.good, self.peer_good, self.difference)
+
+
+def stage_verdicts(
+    scenario: dict[str, Any], router: str, slo: float, resamples: int,
+    peers: Collection[str] | None = None,
+) -> list[StageVerdict]:  # fmt: skip
+    """Per stage and peer, ``router`` against that peer over every repetition both ran.
+    A repetition's requests are paired as in `rows`; the repetitions' samples are joined
+    (a router's runs of each: the first as many as its fewest in any repetition, so that
+    each resample draws a request in the same number of runs everywhere); a resample
+    draws among all the repetitions' requests (a burst's siblings together)."""
+    by_run, repetitions, named, stages = _grouped(scenario, router, peers)
+    out: list[StageVerdict] = []
+    for stage in stages:
+        for peer in named:
+            both = [r for r in repetitions if (peer, r) in by_run]
+            if not both:
+                continue
+            ours = [[_stage_ttfts(run, stage) for run in by_run[(router, r)]] for r in both]
+            theirs = [[_stage_ttfts(run, stage) for run in by_run[(peer, r)]] for r in both]
+            if not all(runs[0] for runs in ours):
+                continue
+            clusters: list[tuple[int, int]] = []
+            for r in both:
+                first = [q for q in by_run[(router, r)][0] if q[1] == stage]
+                clusters += [(r, label) for label in _bursts(first)]
+            difference = paired_p90_difference(
+                _joined(ours), _joined(theirs), resamples, 0, clusters
+            )
+            under = sum(
+                _quantile(a, 0.9) <= _quantile(b, 0.9) for a, b in zip(ours, theirs, strict=True)
+            )
+            out.append(
+                StageVerdict(
+                    stage, peer, difference,
+                    sum(_good(runs, slo) for runs in ours),
+                    sum(_good(runs, slo) for runs in theirs),
+                    len(both), under,
+                )
+            )  # fmt: skip
+    return out
+
+
+def _joined(repetitions: list[list[list[float]]]) -> list[list[float]]:
+    """Each repetition's runs (TTFTs of its stage) joined end to end into rows, one per
+    run: as many rows as the fewest runs any repetition has."""
+    runs = min(len(r) for r in repetitions)
+    return [[t for r in repetitions for t in r[k]] for k in range(runs)]
 
 
 def merged(reports: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -306,6 +399,35 @@ def table(
         + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS)
         + f" of {len(found)} stage-repetitions against the best peer of each (by goodput,"
         " then TTFT p90 in ms)"
+    )
+    overall = stage_verdicts(scenario, router, slo, resamples, peers)
+    if len({row.repetition for row in found}) > 1 and overall:
+        lines += ["", _stage_table(overall, router)]
+    return "\n".join(lines)
+
+
+def _stage_table(found: list[StageVerdict], router: str) -> str:
+    """`stage_verdicts` a line each, and a count of them."""
+    head = (
+        f"{'stage':10} {'peer':24} {router + ' p90':>8} {'peer p90':>8} {'diff':>6} "
+        f"{'95% of resamples':>17} {'good':>11} {'verdict':12} {'reps at or under':>16}"
+    )
+    lines = ["over the repetitions, against each peer:", head, "-" * len(head)]
+    counts: dict[str, int] = {}
+    for row in found:
+        d = row.difference
+        counts[row.verdict] = counts.get(row.verdict, 0) + 1
+        lines.append(
+            f"{row.stage:10} {row.peer:24} {_ms(d.ours):>8} {_ms(d.theirs):>8} "
+            f"{_ms(d.value, sign=True):>6} "
+            f"{'[' + _ms(d.low, sign=True) + ', ' + _ms(d.high, sign=True) + ']':>17} "
+            f"{f'{_count(row.good)}/{_count(row.peer_good)}':>11} {row.verdict:12} "
+            f"{f'{row.at_or_under} of {row.repetitions}':>16}"
+        )
+    lines.append(
+        f"{router}: "
+        + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS)
+        + f" of {len(found)} stages against each peer over every repetition"
     )
     return "\n".join(lines)
 

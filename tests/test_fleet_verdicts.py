@@ -264,3 +264,52 @@ def test_results_of_different_slos_are_refused(tmp_path: Any, capsys: Any) -> No
     with pytest.raises(SystemExit):
         fleet_verdicts.main(paths)
     assert "different SLOs" in capsys.readouterr().err
+
+
+def test_over_the_repetitions_each_peer_is_judged_on_all_their_requests() -> None:
+    """kv is slower than sglang-router in one repetition and faster in the other, by
+    a margin each way; over both, its p90 is that of both repetitions' requests, one
+    repetition of two at or under the peer's, and the peer with the lowest p90 in each
+    repetition is not what decides: each peer has its own line."""
+    fast, slow = _ttfts(250, 20, scale=0.02), _ttfts(250, 21, scale=0.08)
+    scenario = {"title": "t", "runs": [_run("kv", 0, fast), _run("kv", 1, slow)]}
+    for repetition, sglang, vllm in ((0, slow, slow), (1, [t * 0.5 for t in fast], slow)):
+        scenario["runs"] += [
+            _run("sglang-cache_aware", repetition, sglang),
+            _run("vllm-router-cache_aware", repetition, [t * 3 for t in vllm]),
+        ]
+    found = fleet_verdicts.stage_verdicts(scenario, "kv", 1.0, 300)
+    assert [(v.stage, v.peer, v.repetitions) for v in found] == [
+        ("steady", "sglang-cache_aware", 2),
+        ("steady", "vllm-router-cache_aware", 2),
+    ]
+    sglang, vllm = found
+    joined = sorted(fast + slow)
+    assert sglang.difference.ours == joined[int(0.9 * len(joined))]
+    assert sglang.at_or_under == 1 and vllm.at_or_under == 2
+    assert vllm.verdict == "ahead"
+    assert sglang.good == vllm.good == 500
+    printed = table(scenario, "kv", 1.0, 300)
+    assert "over the repetitions, against each peer:" in printed
+    assert "of 2 stages against each peer over every repetition" in printed
+    assert printed.splitlines()[-3].split()[-3:] == ["1", "of", "2"]
+
+
+def test_over_the_repetitions_a_router_counts_as_many_runs_in_each() -> None:
+    """Two runs of kv in the first repetition, one in the second: the joined sample
+    keeps the first run of each, so every resample draws in one run everywhere."""
+    a, b, c = _ttfts(100, 22), _ttfts(100, 23), _ttfts(100, 24)
+    peer = _ttfts(100, 25)
+    ours = [_run("kv", 0, a), _run("kv", 0, b), _run("kv", 1, c)]
+    theirs = [_run("sglang-cache_aware", repetition, peer) for repetition in (0, 1)]
+    scenario = {"title": "t", "runs": ours + theirs}
+    (verdict,) = fleet_verdicts.stage_verdicts(scenario, "kv", 1.0, 200)
+    joined = sorted(a + c)
+    assert verdict.difference.ours == joined[int(0.9 * len(joined))]
+    assert verdict.good == 200  # the first repetition's mean of its two runs, plus 100
+
+
+def test_one_repetition_prints_no_summary_over_the_repetitions() -> None:
+    scenario = {"title": "t", "runs": [_run("kv", 0, _ttfts(50, 26)),
+                                       _run("sglang-cache_aware", 0, _ttfts(50, 27))]}  # fmt: skip
+    assert "over the repetitions" not in table(scenario, "kv", 1.0, 100)
