@@ -389,20 +389,16 @@ def table(
         lines.append(
             f"{row.stage:10} {row.repetition + 1:>3} {row.peer:24} {_ms(d.ours):>8} "
             f"{_ms(d.theirs):>8} {_ms(d.value, sign=True):>6} "
-            f"{'[' + _ms(d.low, sign=True) + ', ' + _ms(d.high, sign=True) + ']':>17} "
-            f"{f'{_count(row.good)}/{_count(row.peer_good)}':>9} {verdict:12} "
+            f"{_interval(d):>17} {f'{_count(row.good)}/{_count(row.peer_good)}':>9} {verdict:12} "
             f"{_ms(row.p99) + '/' + _ms(row.peer_p99):>14}"
             + (f" {row.runs}/{row.peer_runs}" if pooled else "")
         )
     lines.append(
-        f"{router}: "
-        + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS)
-        + f" of {len(found)} stage-repetitions against the best peer of each (by goodput,"
-        " then TTFT p90 in ms)"
-    )
-    overall = stage_verdicts(scenario, router, slo, resamples, peers)
-    if len({row.repetition for row in found}) > 1 and overall:
-        lines += ["", _stage_table(overall, router)]
+        _tally(counts, router, f"{len(found)} stage-repetitions against the best peer of each "
+               "(by goodput, then TTFT p90 in ms)")
+    )  # fmt: skip
+    if len({row.repetition for row in found}) > 1:
+        lines += ["", _stage_table(stage_verdicts(scenario, router, slo, resamples, peers), router)]
     return "\n".join(lines)
 
 
@@ -420,16 +416,24 @@ def _stage_table(found: list[StageVerdict], router: str) -> str:
         lines.append(
             f"{row.stage:10} {row.peer:24} {_ms(d.ours):>8} {_ms(d.theirs):>8} "
             f"{_ms(d.value, sign=True):>6} "
-            f"{'[' + _ms(d.low, sign=True) + ', ' + _ms(d.high, sign=True) + ']':>17} "
-            f"{f'{_count(row.good)}/{_count(row.peer_good)}':>11} {row.verdict:12} "
+            f"{_interval(d):>17} {f'{_count(row.good)}/{_count(row.peer_good)}':>11} "
+            f"{row.verdict:12} "
             f"{f'{row.at_or_under} of {row.repetitions}':>16}"
         )
     lines.append(
-        f"{router}: "
-        + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS)
-        + f" of {len(found)} stages against each peer over every repetition"
+        _tally(counts, router, f"{len(found)} stages against each peer over every repetition")
     )
     return "\n".join(lines)
+
+
+def _interval(d: Difference) -> str:
+    """The central 95% of the resampled differences, in ms."""
+    return f"[{_ms(d.low, sign=True)}, {_ms(d.high, sign=True)}]"
+
+
+def _tally(counts: dict[str, int], router: str, of: str) -> str:
+    """The summary line under a table: how many of each verdict, of what."""
+    return f"{router}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in VERDICTS) + f" of {of}"
 
 
 def _count(requests: float) -> str:
