@@ -26,7 +26,8 @@ processes spent per timed request (the stub's, for direct), which other load on 
 machine disturbs less than latency.
 
     python bench/bench_overhead.py [--repeats 5] [--requests 300] [--warmup 50]
-        [--routers direct,kvbus,kvbus-asyncio,sglang-cache_aware,...] [--json FILE]
+        [--routers direct,kvbus,kvbus-asyncio,sglang-cache_aware,...] [--prompt-words 200]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -54,17 +55,21 @@ from cluster import free_port, make_model  # noqa: E402
 from peers import PeerRouter, find_peers  # noqa: E402
 
 MODEL = "m"
-PROMPT = " ".join(f"w{3 + i % 1000}" for i in range(200))  # 200 tokens
-VARIANTS = {
-    "completion": {"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
-    "stream": {
-        "model": MODEL,
-        "prompt": PROMPT,
-        "max_tokens": 4,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    },
-}
+PROMPT_WORDS = 200  # tokens (``--prompt-words``)
+
+
+def prompt(words: int) -> str:
+    """A prompt of ``words`` tokens of examples/cluster.py's word-level tokenizer."""
+    return " ".join(f"w{3 + i % 1000}" for i in range(words))
+
+
+def variants(words: int) -> dict[str, dict[str, Any]]:
+    """The requests timed: a completion, and the same streamed."""
+    completion = {"model": MODEL, "prompt": prompt(words), "max_tokens": 4}
+    stream = {**completion, "stream": True, "stream_options": {"include_usage": True}}
+    return {"completion": completion, "stream": stream}
+
+
 PEER_RUNS = {
     "sglang-cache_aware": ("sglang", "cache_aware"),
     "vllm-router-round_robin": ("vllm-router", "round_robin"),
@@ -312,7 +317,7 @@ def _wait_healthy(port: int) -> None:
 def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
     ports = [free_port(), free_port()]
     workers = {"a": f"http://127.0.0.1:{ports[0]}", "b": f"http://127.0.0.1:{ports[1]}"}
-    probe = json.dumps(VARIANTS["completion"]).encode()
+    probe = json.dumps(variants(PROMPT_WORDS)["completion"]).encode()
     stub = _child(["--stub", *map(str, ports)], log_dir / "stub.log")
     started: list[Target] = []
     try:
@@ -369,7 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
     samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, targets(args.routers, Path(tmp)) as started:
         for repeat in range(args.repeats):
-            for variant, request in VARIANTS.items():
+            for variant, request in variants(args.prompt_words).items():
                 body = json.dumps(request).encode()
                 for target in started:
                     latencies, cpu = measure(target, body, args.requests, args.warmup)
@@ -413,6 +418,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--routers", type=lambda s: s.split(","), default=ROUTERS)
     parser.add_argument("--json", type=Path, help="also write the table here")
+    parser.add_argument(
+        "--prompt-words", type=int, default=PROMPT_WORDS, help="the prompt's length in tokens"
+    )
     # The child processes: the stub, and a kvbus router with its stand-in stat logger.
     parser.add_argument("--stub", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--kvbus", nargs=3, help=argparse.SUPPRESS)
