@@ -129,3 +129,33 @@ def test_a_tokenizer_without_a_rust_backend_goes_through_transformers(
             return byte_level_bpe.hf(text, add_special_tokens=add_special_tokens)
 
     assert _same_backend(Slow()) is None
+
+
+async def test_prompts_read_in_place_and_on_the_threads_at_once_give_the_same_ids(
+    byte_level_bpe: Tokenizer,
+) -> None:
+    """Small bodies are tokenized on the loop, large ones on two threads, all sharing
+    one backend: many of each at once get exactly the ids transformers gives."""
+    import asyncio
+    import json
+
+    from kvbus.service.served_model import _INLINE_TOKENIZE_BYTES, ServedModel
+
+    served = ServedModel({}, None, None, max_tokenize_bytes=1 << 20)  # type: ignore[arg-type]
+    served.tokenizer = byte_level_bpe
+    words = "The quick brown fox jumps over the lazy dog, naïve café 🙂".split()
+    prompts = [
+        " ".join(words[(i + k) % len(words)] for k in range(n))
+        for i, n in enumerate([10, 200, 3000, 5000] * 6)
+    ]
+    bodies = [json.dumps({"prompt": p}).encode() for p in prompts]
+    assert min(map(len, bodies)) <= _INLINE_TOKENIZE_BYTES < max(map(len, bodies))
+    try:
+        read = await asyncio.gather(
+            *(served.read(b, lambda t, body: t.completion(body)) for b in bodies)
+        )
+    finally:
+        served.close()
+    for prompt, got in zip(prompts, read, strict=True):
+        assert got is not None
+        assert got.tokens == list(byte_level_bpe.hf(prompt).input_ids)
