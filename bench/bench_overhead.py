@@ -27,7 +27,10 @@ machine disturbs less than latency.
 
     python bench/bench_overhead.py [--repeats 5] [--requests 300] [--warmup 50]
         [--routers direct,kvbus,kvbus-asyncio,sglang-cache_aware,...] [--prompt-words 200]
-        [--json FILE]
+        [--stream-events N] [--json FILE]
+
+``--stream-events N``: the streamed variant has N token events, 1 ms apart, each read
+and relayed apart (the router's cost per token an engine streams).
 """
 
 from __future__ import annotations
@@ -107,6 +110,12 @@ def _event(text: str, usage: dict[str, Any] | None = None) -> bytes:
 
 
 _STREAM = [*(_event(f" w{i}") for i in range(1, 5)), _event("", _USAGE), b"data: [DONE]\n\n"]
+EVENT_GAP = 0.001  # s between the token events of ``--stream-events`` (libuv: ms timers)
+
+
+def _token_stream(events: int) -> list[bytes]:
+    """``events`` token events, the usage and ``[DONE]`` (``--stream-events``)."""
+    return [*(_event(f" w{3 + i % 1000}") for i in range(events)), *_STREAM[-2:]]
 
 
 def _token_ids(body: bytes) -> list[int]:
@@ -118,12 +127,14 @@ def _token_ids(body: bytes) -> list[int]:
     return [3 + len(word) for word in str(text).split()] or [3]
 
 
-def _stub_answer(method: bytes, path: bytes, body: bytes) -> tuple[bytes, bytes | list[bytes]]:
+def _stub_answer(
+    method: bytes, path: bytes, body: bytes, stream: list[bytes]
+) -> tuple[bytes, bytes | list[bytes]]:
     """(content type, body or SSE events) of the stub's answer to one request."""
     json_type = b"application/json"
     if path in (b"/v1/completions", b"/v1/chat/completions"):
         if json.loads(body).get("stream"):
-            return b"text/event-stream", _STREAM
+            return b"text/event-stream", stream
         return json_type, _COMPLETION
     if path == b"/v1/models":
         return json_type, _MODELS
@@ -138,7 +149,11 @@ def _stub_answer(method: bytes, path: bytes, body: bytes) -> tuple[bytes, bytes 
 
 
 class _StubProtocol(asyncio.Protocol):
-    """HTTP/1.1 keep-alive, parsed by httptools (uvicorn's parser)."""
+    """HTTP/1.1 keep-alive, parsed by httptools (uvicorn's parser). A stream goes in
+    one write, or with ``stream_events``, an event a write, `EVENT_GAP` apart (as an
+    engine sends a token at a time: the router relays each)."""
+
+    stream_events = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         import httptools
@@ -162,19 +177,28 @@ class _StubProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         method, path = self.parser.get_method(), self.url.split(b"?")[0]
-        kind, answer = _stub_answer(method, path, b"".join(self.body))
+        events = self.stream_events
+        stream = _token_stream(events) if events else _STREAM
+        kind, answer = _stub_answer(method, path, b"".join(self.body), stream)
         self.url, self.body = b"", []
         head = b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\n"
         if isinstance(answer, list):  # streamed: one chunk per event
             chunks = [b"%x\r\n%s\r\n" % (len(e), e) for e in answer]
-            self.transport.write(
-                head + b"transfer-encoding: chunked\r\n\r\n" + b"".join(chunks) + b"0\r\n\r\n"
-            )
+            chunks[0] = head + b"transfer-encoding: chunked\r\n\r\n" + chunks[0]
+            chunks[-1] += b"0\r\n\r\n"
+            if not events:
+                self.transport.write(b"".join(chunks))
+                return
+            self.transport.write(chunks[0])
+            loop = asyncio.get_running_loop()
+            for i, chunk in enumerate(chunks[1:], 1):  # (timers of one ms run in order)
+                loop.call_later(i * EVENT_GAP, self.transport.write, chunk)
         else:
             self.transport.write(head + b"content-length: %d\r\n\r\n" % len(answer) + answer)
 
 
-async def _serve_stub(ports: list[int]) -> None:
+async def _serve_stub(ports: list[int], stream_events: int) -> None:
+    _StubProtocol.stream_events = stream_events
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(_StubProtocol, "127.0.0.1", p) for p in ports]
     await _until_signalled()
@@ -314,11 +338,12 @@ def _wait_healthy(port: int) -> None:
 
 
 @contextlib.contextmanager
-def targets(names: list[str], log_dir: Path) -> Iterator[list[Target]]:
+def targets(names: list[str], log_dir: Path, stream_events: int = 0) -> Iterator[list[Target]]:
     ports = [free_port(), free_port()]
     workers = {"a": f"http://127.0.0.1:{ports[0]}", "b": f"http://127.0.0.1:{ports[1]}"}
     probe = json.dumps(variants(PROMPT_WORDS)["completion"]).encode()
-    stub = _child(["--stub", *map(str, ports)], log_dir / "stub.log")
+    stub_args = ["--stub", *map(str, ports), "--stream-events", str(stream_events)]
+    stub = _child(stub_args, log_dir / "stub.log")
     started: list[Target] = []
     try:
         for port in ports:
@@ -372,7 +397,10 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
     """{variant: {router: {p50, p99, added_p50, added_p99, cpu_us}}} (ms; cpu: µs per
     request), medians over repeats."""
     samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, targets(args.routers, Path(tmp)) as started:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        targets(args.routers, Path(tmp), args.stream_events) as started,
+    ):
         for repeat in range(args.repeats):
             for variant, request in variants(args.prompt_words).items():
                 body = json.dumps(request).encode()
@@ -421,6 +449,12 @@ def main() -> None:
     parser.add_argument(
         "--prompt-words", type=int, default=PROMPT_WORDS, help="the prompt's length in tokens"
     )
+    parser.add_argument(
+        "--stream-events",
+        type=int,
+        default=0,
+        help="token events a stream has, each written apart (default: 4, written at once)",
+    )
     # The child processes: the stub, and a kvbus router with its stand-in stat logger.
     parser.add_argument("--stub", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--kvbus", nargs=3, help=argparse.SUPPRESS)
@@ -429,7 +463,7 @@ def main() -> None:
     import uvloop
 
     if args.stub:
-        uvloop.run(_serve_stub(args.stub))
+        uvloop.run(_serve_stub(args.stub, args.stream_events))
     elif args.kvbus:
         port, tokenizer, loop = args.kvbus
         workers = dict(w.split("=", 1) for w in args.worker)

@@ -462,7 +462,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--worker-timeout",
-        type=float,
+        type=_positive_seconds,
         default=300.0,
         help="seconds to a worker's first byte (all of a response not streamed); then it "
         "is marked down and the request goes to another",
@@ -478,24 +478,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits.add_argument(
         "--pool-timeout",
-        type=float,
+        type=_positive_seconds,
         default=30.0,
         help="seconds a request waits for one of a worker's --worker-connections; then it "
         "goes to another worker (the busy one is not marked down), or 503 if none is free",
     )
     limits.add_argument(
         "--header-timeout",
-        type=float,
+        type=_positive_seconds,
         default=10.0,
         help="seconds for each request head, from the connection's opening or its previous "
         "response; then the connection is closed (idle keep-alive ones too)",
     )
     limits.add_argument(
-        "--body-timeout", type=float, default=30.0, help="seconds for a client's request body"
+        "--body-timeout",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds for a client's request body",
     )
     limits.add_argument(
         "--client-write-timeout",
-        type=float,
+        type=_positive_seconds,
         default=30.0,
         help="seconds a client may read nothing of its response (a stream included); then "
         "it is dropped, and its worker's connection freed",

@@ -29,6 +29,7 @@ from kvbus.config import redact_url
 from kvbus.logs import LimitedLog, displayable
 from kvbus.routing.router import Decision, Router
 from kvbus.service.router_metrics import UNREPORTED, Metrics, Unreported
+from kvbus.service.stream_watch import StreamWatch
 from kvbus.service.worker_names import RANK
 
 log = logging.getLogger("kvbus.routing.router")
@@ -261,6 +262,9 @@ class Upstream:
 
     async def _take(self, slots: asyncio.Semaphore) -> None:
         """One of a worker's connections; `WorkerBusy` after ``--pool-timeout``."""
+        if not slots.locked():
+            await slots.acquire()  # at once: no timer to set and cancel
+            return
         try:  # a wait for a connection is no fault of the worker's: timed apart
             async with asyncio.timeout(self.pool_timeout):
                 await slots.acquire()
@@ -343,48 +347,75 @@ class Upstream:
                 await writing
             return True
         except TimeoutError:
-            self.metrics.stalled_clients.inc()
-            log.info("a client of %s stopped reading; dropped", decision.worker)
+            self._dropped(request, decision, stalled=True)
         except ConnectionError:  # it left
-            pass
+            self._dropped(request, decision, stalled=False)
+        return False
+
+    def _dropped(self, request: web.Request, decision: Decision, *, stalled: bool) -> None:
+        """The client left, or (``stalled``) read nothing in --client-write-timeout: its
+        connection goes at once."""
+        if stalled:
+            self._stalled(decision)
         if request.transport is not None:
             request.transport.abort()  # close() would wait to flush to it
-        return False
+
+    def _stalled(self, decision: Decision) -> None:
+        self.metrics.stalled_clients.inc()
+        log.info("a client of %s stopped reading; dropped", decision.worker)
 
     async def _relay_stream(
         self, request: web.Request, upstream: aiohttp.ClientResponse, decision: Decision
     ) -> tuple[web.StreamResponse, bytearray]:
-        """Pass a streamed response on chunk by chunk; returns its tail (the usage)."""
+        """Pass a streamed response on chunk by chunk; returns its tail (the usage). A
+        worker silent for --worker-timeout has stalled (not one still generating: tokens
+        come every few milliseconds to seconds); a client that reads nothing for
+        --client-write-timeout is dropped (`StreamWatch`)."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         self._copy_headers(upstream, response, decision)
         await response.prepare(request)
+        watch = StreamWatch(
+            self.worker_timeout,
+            self.client_write_timeout,
+            upstream.content,
+            request.transport,
+            lambda: self._stalled(decision),
+        )
         tail = bytearray()
-        while True:
-            try:
-                # A stream silent for --worker-timeout is a worker that stalled, not one
-                # still generating (tokens come every few milliseconds to seconds).
-                async with asyncio.timeout(self.worker_timeout):
+        try:
+            while True:
+                watch.reading()
+                try:
                     chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, TimeoutError) as error:
-                # The client has part of a stream: cut it off, as the worker did.
-                self.router.mark_down(decision.worker, self.down_for)
-                self.say_unreachable(
-                    decision.worker,
-                    f"broke off a stream ({failure_text(error, self.worker_timeout)})",
-                )
-                if request.transport is not None:
-                    request.transport.close()
-                return response, bytearray()
-            if not chunk:
-                break
-            if not tail:  # the first bytes: the engine is past this prompt's prefill
-                self.router.started(decision)
-                if self.answered is not None:
-                    self.answered(request, decision, upstream.status, bytes(chunk[:_HEAD]))
-            if not await self._send(request, response.write(chunk), decision):
-                return response, bytearray()
-            tail += chunk
-            del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    # The client has part of a stream: cut it off, as the worker did.
+                    self.router.mark_down(decision.worker, self.down_for)
+                    self.say_unreachable(
+                        decision.worker,
+                        f"broke off a stream ({failure_text(error, self.worker_timeout)})",
+                    )
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response, bytearray()
+                if not chunk:
+                    break
+                if not tail:  # the first bytes: the engine is past this prompt's prefill
+                    self.router.started(decision)
+                    if self.answered is not None:
+                        self.answered(request, decision, upstream.status, bytes(chunk[:_HEAD]))
+                watch.writing()
+                try:
+                    await response.write(chunk)
+                    left = watch.stalled is not None  # dropped by `watch`
+                except ConnectionError:  # it left, or `watch` dropped it
+                    left = True
+                if left:  # (a stalled one is counted already)
+                    self._dropped(request, decision, stalled=False)
+                    return response, bytearray()
+                tail += chunk
+                del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
+        finally:
+            watch.close()
         await self._send(request, response.write_eof(), decision)
         return response, tail
 
