@@ -390,3 +390,34 @@ async def test_a_worker_that_sends_its_headers_and_stalls_is_retried_elsewhere(
         for writer in stalled:
             writer.close()
         server.close()
+
+
+async def test_a_cookie_a_worker_sets_for_one_client_rides_on_no_other_clients_request(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """The router's client kept aiohttp's cookie jar: a worker's Set-Cookie in one
+    client's answer was stored and sent on every later request, any client's, to any
+    worker on that host (cookies do not tell ports apart). The client gets the cookie;
+    the router keeps none."""
+    seen: list[str | None] = []
+
+    async def sets_a_cookie(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("Cookie"))
+        response = web.json_response({"id": "cmpl-1", "choices": [], "usage": USAGE})
+        response.set_cookie("session", f"of-request-{len(seen)}")
+        return response
+
+    await fleet.worker("a", sets_a_cookie)
+    # By name: aiohttp's jar takes no cookie from an IP address.
+    fleet.workers["a"] = fleet.workers["a"].replace("127.0.0.1", "localhost")
+    await fleet.run_router(tokenizer, "round_robin")
+    for _ in range(3):
+        async with aiohttp.ClientSession() as client:  # each a client of its own
+            async with client.post(
+                f"{fleet.router_url}/v1/completions",
+                json=PROMPT,
+            ) as response:
+                assert response.status == 200
+                assert response.cookies["session"].value == f"of-request-{len(seen)}"
+    assert seen == [None, None, None]

@@ -147,7 +147,11 @@ class Upstream:
         # (--worker-connections for generations, QUICK_CONNECTIONS for model lists), so
         # no request ever waits in it: waiting is done, timed and counted apart
         # (--pool-timeout), never as the worker's own time.
+        # No cookie jar: a worker's Set-Cookie belongs to the client it answered (which
+        # gets it), and a jar would send it on every later request, any client's, to any
+        # worker on that host (cookies do not tell ports apart).
         self.session = aiohttp.ClientSession(
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             connector=aiohttp.TCPConnector(
                 limit=0, limit_per_host=self.worker_connections + QUICK_CONNECTIONS + 1
