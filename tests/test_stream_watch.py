@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -128,3 +130,84 @@ async def test_a_worker_silent_mid_stream_is_cut_off_and_marked_down(
     assert bytes(received) == first
     assert 0.5 < ended < 5.0
     assert fleet.app is not None and "silent/dp0" not in fleet.app.router.eligible()
+
+
+async def test_stalls_repeated_leave_nothing_held(fleet: Fleet, tokenizer: Path) -> None:
+    """A soak of both stalls on one worker with one connection: 25 times a client that
+    stops reading mid-stream, a worker silent mid-stream, then a whole stream. Each
+    stall is counted once (the client's) or marks the worker down (the worker's), and
+    frees the one connection and the body's bytes: the whole stream after them gets
+    through each time."""
+    never = asyncio.Event()
+    event = b'data: {"id":"cmpl-1","object":"text_completion","choices":[]}\n\n'
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 4}}).encode()
+
+    async def scripted(request: web.Request) -> web.StreamResponse:
+        prompt = json.loads(await request.read())["prompt"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if "w9" in prompt:  # a flood, for a client that reads nothing
+            while True:
+                await response.write(b"data: " + b"x" * 65536 + b"\n\n")
+        await response.write(event)
+        if "w10" in prompt:  # silent after its first event
+            await never.wait()
+        await response.write(b"data: " + usage + b"\n\ndata: [DONE]\n\n")
+        return response
+
+    await fleet.worker("w", scripted)
+    await fleet.run_router(
+        tokenizer,
+        "round_robin",
+        worker_connections=1,
+        client_write_timeout=0.2,
+        worker_timeout=0.3,
+        down_for=0.05,
+    )
+    assert fleet.app is not None
+    host, port = fleet.router_url.removeprefix("http://").split(":")
+
+    async def stream(prompt: str) -> bytes:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 1, "stream": True}
+        received = bytearray()
+        timeout = aiohttp.ClientTimeout(total=20)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.post(f"{fleet.router_url}/v1/completions", json=body) as answer:
+                assert answer.status == 200
+                try:
+                    async for chunk in answer.content.iter_any():
+                        received += chunk
+                except aiohttp.ClientPayloadError:
+                    pass
+        return bytes(received)
+
+    async def until(condition: Callable[[], bool]) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            await asyncio.sleep(0.025)
+        raise AssertionError("not in 5 s")
+
+    rounds = 25
+    for round_ in range(rounds):
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps({"model": "m", "prompt": "w5 w9", "stream": True}).encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        counted = round_ + 1  # the client reads nothing: counted once
+        await until(lambda: stalled_clients(fleet) == counted)  # noqa: B023 (awaited here)
+        writer.close()
+        assert await stream("w5 w10") == event  # then cut off
+        await until(lambda: "w/dp0" in fleet.app.router.eligible())  # type: ignore[union-attr]
+        whole = await stream("w5 w6")
+        assert whole.endswith(b"data: [DONE]\n\n"), whole[-200:]
+    assert stalled_clients(fleet) == rounds
+    assert fleet.app.bodies.held == 0
+
+
+def stalled_clients(fleet: Fleet) -> float:
+    assert fleet.app is not None
+    return float(fleet.app.metrics.stalled_clients._value.get())
