@@ -351,18 +351,11 @@ class Upstream:
                 await writing
             return True
         except TimeoutError:
-            self._dropped(request, decision, stalled=True)
-        except ConnectionError:  # it left
-            self._dropped(request, decision, stalled=False)
-        return False
-
-    def _dropped(self, request: web.Request, decision: Decision, *, stalled: bool) -> None:
-        """The client left, or (``stalled``) read nothing in --client-write-timeout: its
-        connection goes at once."""
-        if stalled:
             self._stalled(decision)
-        if request.transport is not None:
-            request.transport.abort()  # close() would wait to flush to it
+        except ConnectionError:  # it left
+            pass
+        _drop(request)
+        return False
 
     def _stalled(self, decision: Decision) -> None:
         self.metrics.stalled_clients.inc()
@@ -414,7 +407,7 @@ class Upstream:
                 except ConnectionError:  # it left, or `watch` dropped it
                     left = True
                 if left:  # (a stalled one is counted already)
-                    self._dropped(request, decision, stalled=False)
+                    _drop(request)
                     return response, bytearray()
                 tail += chunk
                 del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
@@ -422,6 +415,12 @@ class Upstream:
             watch.close()
         await self._send(request, response.write_eof(), decision)
         return response, tail
+
+
+def _drop(request: web.Request) -> None:
+    """The client's connection goes at once: it left, or reads nothing."""
+    if request.transport is not None:
+        request.transport.abort()  # close() would wait to flush to it
 
 
 class WorkerUnreachable(Exception):
