@@ -71,9 +71,13 @@ class Fleet:
         self.router_url = ""
         self.app: RouterApp | None = None
 
-    async def worker(self, name: str, generate: Handler = answer) -> None:
+    async def worker(
+        self, name: str, generate: Handler = answer, tokenize: Handler | None = None
+    ) -> None:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", generate)
+        if tokenize is not None:
+            app.router.add_post("/tokenize", tokenize)
         app.router.add_get("/v1/models", models)
         app.router.add_route("*", "/echo/{tail:.*}", echo)
         runner = web.AppRunner(app, handler_cancellation=True)

@@ -387,3 +387,32 @@ def test_a_router_with_no_worker_routes_to_the_engines_the_bus_tells_of(
     finally:
         fenced.stop()
         router.stop()
+
+
+def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_path: Path) -> None:
+    """``--send-token-ids``: the router checks the engines' /tokenize against its tokenizer
+    and then sends a completion's text prompt as its ids; the engine takes the prompt it
+    would have tokenized (same ids, same count, the same cached blocks found next time),
+    and an ``echo`` still gets the prompt's own text back."""
+    process = RouterProcess(tmp_path, cluster.workers, "kv", cluster.nats.url, ["--send-token-ids"])
+    process.launch()
+    try:
+        process.wait_ready(2, timeout=60)
+        assert "prompts go to the engines as token ids" in process.log_tail(100_000)
+        prompt = words(21, 200)  # 6 full blocks
+        body = {"model": str(cluster.model), "prompt": prompt, "max_tokens": 2}
+        body |= {"ignore_eos": True, "return_token_ids": True}
+        status, headers, routed = post(f"{process.url}/v1/completions", body)
+        assert status == 200, routed
+        base = cluster.workers[headers["x-kvbus-worker"].split("/")[0]]
+        _, _, direct = post(f"{base}/v1/completions", body)
+        assert routed["choices"][0]["prompt_token_ids"] == direct["choices"][0]["prompt_token_ids"]
+        assert routed["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"] == 200
+        again = post(f"{process.url}/v1/completions", body)
+        assert again[1]["x-kvbus-worker"] == headers["x-kvbus-worker"]
+        assert again[2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+        echo = {"model": str(cluster.model), "prompt": prompt, "max_tokens": 1, "echo": True}
+        status, _, echoed = post(f"{process.url}/v1/completions", echo)
+        assert status == 200 and echoed["choices"][0]["text"].startswith(prompt)
+    finally:
+        process.stop()

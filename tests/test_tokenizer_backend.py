@@ -135,7 +135,8 @@ async def test_prompts_read_in_place_and_on_the_threads_at_once_give_the_same_id
     byte_level_bpe: Tokenizer,
 ) -> None:
     """Small bodies are tokenized on the loop, large ones on two threads, all sharing
-    one backend: many of each at once get exactly the ids transformers gives."""
+    one backend: many of each at once get exactly the ids transformers gives, and the
+    body sent on as those ids (``--send-token-ids``) carries them."""
     import asyncio
     import json
 
@@ -143,6 +144,7 @@ async def test_prompts_read_in_place_and_on_the_threads_at_once_give_the_same_id
 
     served = ServedModel({}, None, None, max_tokenize_bytes=1 << 20)  # type: ignore[arg-type]
     served.tokenizer = byte_level_bpe
+    served.ids_agreed = True
     words = "The quick brown fox jumps over the lazy dog, naïve café 🙂".split()
     prompts = [
         " ".join(words[(i + k) % len(words)] for k in range(n))
@@ -152,10 +154,11 @@ async def test_prompts_read_in_place_and_on_the_threads_at_once_give_the_same_id
     assert min(map(len, bodies)) <= _INLINE_TOKENIZE_BYTES < max(map(len, bodies))
     try:
         read = await asyncio.gather(
-            *(served.read(b, lambda t, body: t.completion(body)) for b in bodies)
+            *(served.read(b, lambda t, body: t.completion(body), True) for b in bodies)
         )
     finally:
         served.close()
-    for prompt, got in zip(prompts, read, strict=True):
+    for prompt, (got, sent) in zip(prompts, read, strict=True):
         assert got is not None
         assert got.tokens == list(byte_level_bpe.hf(prompt).input_ids)
+        assert sent is not None and json.loads(sent) == {"prompt": got.tokens}

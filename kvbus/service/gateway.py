@@ -153,6 +153,7 @@ class RouterApp:
         discover_hosts: Sequence[str] | None = None,
         roles: dict[str, Role] | None = None,
         skip_prefill_above: float = 0.9,
+        send_token_ids: bool = False,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
         self.router = router
@@ -176,7 +177,9 @@ class RouterApp:
             pool_timeout=pool_timeout,
             client_write_timeout=client_write_timeout,
         )
-        self.served = ServedModel(self.workers, self.upstream, tokenizer, max_tokenize_bytes)
+        self.served = ServedModel(
+            self.workers, self.upstream, tokenizer, max_tokenize_bytes, send_token_ids
+        )
         self.followers = BusFollowers(
             self.workers,
             router,
@@ -388,6 +391,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--policy", choices=[p.value for p in Policy], default="kv")
     parser.add_argument("--tokenizer", help="tokenizer dir (default: the served model's)")
+    parser.add_argument(
+        "--send-token-ids",
+        action="store_true",
+        help="send a completion's text prompt to its engine as the token ids the router "
+        "computed, so the engine does not tokenize it again (once the first engine's "
+        "/tokenize agrees with the router's tokenizer; not with echo, "
+        "truncate_prompt_tokens or a LoRA)",
+    )
     parser.add_argument(
         "--url",
         default=command_url(),
@@ -669,6 +680,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         discover_hosts=discover,
         roles=roles,
         skip_prefill_above=args.skip_prefill_above,
+        send_token_ids=args.send_token_ids,
     )
     app.http.session_header = args.session_header
     return app

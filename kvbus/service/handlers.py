@@ -112,7 +112,7 @@ class RouterHTTP:
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, lambda t, body: t.completion(body))
+        return await self._generate(request, lambda t, body: t.completion(body), as_ids=True)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda t, body: t.chat(body))
@@ -171,7 +171,7 @@ class RouterHTTP:
             self.expect_head(request.protocol, self.header_timeout)
 
     async def _generate(
-        self, request: web.Request, tokenize: Tokenize | None
+        self, request: web.Request, tokenize: Tokenize | None, as_ids: bool = False
     ) -> web.StreamResponse:
         body = RequestBody(self.bodies)
         try:
@@ -185,7 +185,7 @@ class RouterHTTP:
                 # Its prompt continues a conversation only that engine holds: keyed by
                 # its new input alone it would count blocks the engine never stores.
                 tokenize = None
-            return await self._route(request, body, tokenize, home)
+            return await self._route(request, body, tokenize, home, as_ids)
         finally:
             body.release()
 
@@ -221,12 +221,19 @@ class RouterHTTP:
         body: RequestBody,
         tokenize: Tokenize | None,
         home: str | None = None,
+        as_ids: bool = False,
     ) -> web.StreamResponse:
         """Route the request (by its prompt, as ``tokenize`` reads it; by load alone
-        without one; to ``home`` alone while it may get traffic) and send it on."""
+        without one; to ``home`` alone while it may get traffic) and send it on (with
+        ``as_ids``, its prompt as the token ids where ``--send-token-ids`` may)."""
         raw = body.data
         started = time.perf_counter()
-        read = await self.served.read(raw, tokenize) if tokenize is not None else LOAD_ONLY
+        pd = self.pd if self.pd is not None and self.pd.active() else None
+        read, sent = (  # (as ids in one hop only: a prefill hop's body is its own)
+            await self.served.read(raw, tokenize, as_ids and pd is None)
+            if tokenize is not None
+            else (LOAD_ONLY, None)
+        )
         if read is None:  # the engine explains what is wrong with it
             self.metrics.unrouted.inc()
             read = LOAD_ONLY
@@ -236,7 +243,6 @@ class RouterHTTP:
         tried: set[str] = set()
         if home is not None and home in (eligible := self.router.eligible()):
             tried.update(w for w in eligible if w != home)
-        pd = self.pd if self.pd is not None and self.pd.active() else None
         hop: dict[str, str] = {}  # both hops of a disaggregated request: one request id
         prefilled: Prefilled | None = None
         if pd is not None and home is None and pd.has_prefill_hop(request.path, read):
@@ -274,7 +280,7 @@ class RouterHTTP:
                     if prefilled.refused is not None:
                         return prefilled.refused
                 return await self.upstream.forward(
-                    request, body, decision, prefilled.body if prefilled else None, hop or None
+                    request, body, decision, prefilled.body if prefilled else sent, hop or None
                 )
             except WorkerBusy:
                 tried.add(decision.worker)  # not its fault: it stays up for the others

@@ -18,6 +18,7 @@ from typing import Any, Final, NamedTuple
 import aiohttp
 
 from kvbus.logs import displayable, shown
+from kvbus.service.prompt_ids import engine_disagrees, ids_body
 from kvbus.service.upstream import QUICK, SHOWN_ERROR, Upstream
 
 log = logging.getLogger("kvbus.routing.router")
@@ -191,6 +192,11 @@ def _text(content: Any) -> Any:
 Tokenize = Callable[[Tokenizer, dict[str, Any]], list[int]]
 
 
+Read = tuple[Prompt | None, bytes | None]
+"""A request's `Prompt` (None: it cannot be read), and its body with the prompt as those
+token ids where it goes to the engine so (`kvbus.service.prompt_ids`)."""
+
+
 class ServedModel:
     """The served model's names and tokenizer (`discover`), and a request's prompt read
     with them (`read`): in place when small, in two threads of its own when larger, by
@@ -202,6 +208,7 @@ class ServedModel:
         upstream: Upstream,
         tokenizer_path: str | None,
         max_tokenize_bytes: int,
+        send_token_ids: bool = False,
     ) -> None:
         self.workers = workers
         self.upstream = upstream
@@ -213,20 +220,25 @@ class ServedModel:
         self.loras: set[str] = set()
         self.models: set[str] = set()
         self.max_tokenize_bytes = max_tokenize_bytes
+        self.send_token_ids = send_token_ids
+        self.ids_agreed = False
+        """``--send-token-ids`` and the engine's /tokenize agreed with the tokenizer."""
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="kvbus-tokenize")
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    async def read(self, raw: bytes | bytearray, tokenize: Tokenize) -> Prompt | None:
-        """The request's `Prompt` (no tokens: routed by load alone), or None when the
-        request cannot be read."""
+    async def read(self, raw: bytes | bytearray, tokenize: Tokenize, as_ids: bool = False) -> Read:
+        """The request's `Prompt` (no tokens: routed by load alone; None when the
+        request cannot be read), and with ``as_ids`` (a completion) the body to send
+        instead, its prompt as token ids, where the engine may get it so."""
         if len(raw) > self.max_tokenize_bytes:
-            return LOAD_ONLY
+            return LOAD_ONLY, None
+        as_ids = as_ids and self.ids_agreed
         if len(raw) <= _INLINE_TOKENIZE_BYTES:
-            return self._tokens(raw, tokenize)
+            return self._tokens(raw, tokenize, as_ids)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizing, self._tokens, raw, tokenize)
+        return await loop.run_in_executor(self._tokenizing, self._tokens, raw, tokenize, as_ids)
 
     async def discover(self) -> None:
         """Served model names (and the tokenizer, unless given) from the first worker
@@ -253,6 +265,8 @@ class ServedModel:
                 log.info("models %s", sorted(self.models))
                 if self.tokenizer is None and self.tokenizer_error is None:
                     await self._load_tokenizer(root, "model")
+                if self.send_token_ids and self.tokenizer is not None:
+                    await self._check_ids(session, base, root)
                 return
             await asyncio.sleep(1)
 
@@ -274,22 +288,40 @@ class ServedModel:
             return
         log.info("tokenizer from %s", shown(path))
 
-    def _tokens(self, raw: bytes | bytearray, tokenize: Tokenize) -> Prompt | None:
-        """The request's `Prompt`, or None when the request cannot be read."""
+    async def _check_ids(self, session: aiohttp.ClientSession, base: str, model: str) -> None:
+        """``--send-token-ids`` once the engine at ``base`` tokenizes as the router does."""
+        assert self.tokenizer is not None
+        why = await engine_disagrees(session, base, model, self.tokenizer.encode, QUICK)
+        self.ids_agreed = why is None
+        if why is None:
+            log.info("--send-token-ids: completions' prompts go to the engines as token ids")
+        else:
+            log.warning(
+                "--send-token-ids: prompts go as text, the engine at %s does not tokenize "
+                "as the router's tokenizer does: %s",
+                shown(base),
+                displayable(why, SHOWN_ERROR),
+            )
+
+    def _tokens(self, raw: bytes | bytearray, tokenize: Tokenize, as_ids: bool) -> Read:
+        """The request's `Prompt` (None when it cannot be read) and, with ``as_ids``,
+        its body with the prompt as the ids where it may go so."""
         try:
             body = json.loads(raw)
             model = body.get("model")
             if self.models and model is not None and model not in self.models:
-                return None
+                return None, None
             if body.get("chat_template") is not None:
-                return None  # whether to accept one is the engine's decision
+                return None, None  # whether to accept one is the engine's decision
             if self.tokenizer is None:
-                return LOAD_ONLY  # not discovered yet: load alone decides
+                return LOAD_ONLY, None  # not discovered yet: load alone decides
             tokens = tokenize(self.tokenizer, body)
         except Exception:
-            return None  # the engine says what is wrong with it
+            return None, None  # the engine says what is wrong with it
         salt = body.get("cache_salt")
         extra: list[tuple[str] | None] | None = (
             [(salt,)] if isinstance(salt, str) and salt else None
         )  # vLLM refuses any other salt (400): then the key does not matter
-        return Prompt(tokens, model if model in self.loras else None, extra)
+        lora = model if model in self.loras else None
+        sent = ids_body(body, tokens) if as_ids and lora is None else None
+        return Prompt(tokens, lora, extra), sent
