@@ -390,15 +390,24 @@ def test_a_router_with_no_worker_routes_to_the_engines_the_bus_tells_of(
 
 
 def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_path: Path) -> None:
-    """``--send-token-ids``: the router checks the engines' /tokenize against its tokenizer
+    """``--send-token-ids``: the router checks an engine's /tokenize against its tokenizer
     and then sends a completion's text prompt as its ids; the engine takes the prompt it
     would have tokenized (same ids, same count, the same cached blocks found next time),
-    and an ``echo`` still gets the prompt's own text back."""
+    and an ``echo`` goes as text."""
     process = RouterProcess(tmp_path, cluster.workers, "kv", cluster.nats.url, ["--send-token-ids"])
     process.launch()
+
+    def sent_as_ids() -> float:
+        with urllib.request.urlopen(f"{process.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        counted = re.search(r"^kvbus_router_prompts_sent_as_ids_total (\S+)$", text, re.M)
+        assert counted is not None
+        return float(counted.group(1))
+
     try:
         process.wait_ready(2, timeout=60)
-        assert "prompts go to the engines as token ids" in process.log_tail(100_000)
+        process.wait(lambda: process.health()["token_ids"] is not None, 30, 0.2)
+        assert process.health()["token_ids"] == "sent as token ids"
         prompt = words(21, 200)  # 6 full blocks
         body = {"model": str(cluster.model), "prompt": prompt, "max_tokens": 2}
         body |= {"ignore_eos": True, "return_token_ids": True}
@@ -411,8 +420,10 @@ def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_pa
         again = post(f"{process.url}/v1/completions", body)
         assert again[1]["x-kvbus-worker"] == headers["x-kvbus-worker"]
         assert again[2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+        assert sent_as_ids() == 2
         echo = {"model": str(cluster.model), "prompt": prompt, "max_tokens": 1, "echo": True}
         status, _, echoed = post(f"{process.url}/v1/completions", echo)
         assert status == 200 and echoed["choices"][0]["text"].startswith(prompt)
+        assert sent_as_ids() == 2
     finally:
         process.stop()

@@ -234,6 +234,8 @@ class RouterHTTP:
             if tokenize is not None
             else (LOAD_ONLY, None)
         )
+        if sent is not None:
+            self.metrics.prompts_as_ids.inc()
         if read is None:  # the engine explains what is wrong with it
             self.metrics.unrouted.inc()
             read = LOAD_ONLY
@@ -358,6 +360,7 @@ class RouterHTTP:
             "load": self.followers.load_read,
             "tokenizer": self.served.tokenizer is not None,
             "tokenizer_error": self.served.tokenizer_error,
+            "token_ids": self.served.ids_checked,
             "eligible": self.router.eligible(),
             "bus": "up" if bus_up else "down",
             "routing": "full" if bus_up and not engine_load else "degraded (load from engines)",

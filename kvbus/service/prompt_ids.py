@@ -1,23 +1,28 @@
-"""``kvbus router --send-token-ids``: a completion's prompt sent on to its engine as the
+"""``kvbus router --send-token-ids``: a completion's text prompt sent on to its engine as the
 token ids the router computed to route it, so that the engine does not tokenize it a
-second time (as Dynamo's frontend hands its workers token ids). vLLM's server tokenizes
-each prompt on its one event loop, ~0.6 ms for 1,800 tokens of a small vocabulary and
-more for a large one, before the request reaches the scheduler.
+second time (as Dynamo's frontend hands its workers token ids). vLLM's API server
+tokenizes each text prompt itself, 1.4-1.6 ms of its CPU for 1,800 tokens of a small
+vocabulary (``bench/bench_prompt_ids.py``) and more for a real model's.
 
 The ids are sent only where the engine's answer cannot tell them from the text:
 
-- once the first engine's own ``/tokenize`` gave the router's ids for every probe text
-  (a router given another tokenizer than the engines' would otherwise change what they
-  compute, not only where it runs);
+- once an engine's own ``/tokenize`` gave the router's ids for every probe text, the
+  model's special and added tokens among them, with and without special tokens (a
+  router given another tokenizer than the engines' would otherwise change what they
+  compute, not only where it runs); the router assumes, as it does for routing, that
+  every worker serves that one model;
 - for one text prompt on ``/v1/completions`` (a batch, ids or embeddings go as sent),
-  without ``echo`` (which answers with the prompt's text), ``truncate_prompt_tokens``
-  (left to vLLM's own reading of it) or a LoRA (which may bring its own tokenizer).
+  without ``echo`` (which answers with the prompt's text), ``suffix`` (rendered only
+  around a text prompt), ``truncate_prompt_tokens`` (left to vLLM's own reading of it)
+  or a LoRA (which may bring its own tokenizer), and no longer than the engine's
+  ``max_model_len`` (its refusal of a longer prompt words the count differently).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
 
 import aiohttp
 import msgspec
@@ -27,45 +32,72 @@ PROBES: Final = (
     "  two  spaces\n\ttab\r\n and trailing   ",
     "héllo wörld — 世界 🙂 naïve café",
 )
-"""Texts the engine's ``/tokenize`` and the router's tokenizer must agree on."""
+"""Texts the engine's ``/tokenize`` and the router's tokenizer must agree on (with the
+model's special and added tokens, `probe_texts`)."""
+_MOST_SPECIALS: Final = 64
+_KEPT_AS_TEXT: Final = ("echo", "suffix", "truncate_prompt_tokens")
+"""Fields that make a prompt go as sent when given (not null, not false)."""
 
 
-def ids_body(body: dict[str, Any], tokens: list[int]) -> bytes | None:
+def probe_texts(specials: list[str]) -> list[str]:
+    """`PROBES` and the model's special and added tokens (``specials``) among words."""
+    joined = " ".join(sorted(set(specials))[:_MOST_SPECIALS])
+    return [*PROBES, joined, f"{joined} w3 {joined}x"] if joined else list(PROBES)
+
+
+def ids_body(body: dict[str, Any], tokens: list[int], max_model_len: int | None) -> bytes | None:
     """``body`` with its text prompt replaced by ``tokens``, or None where it must go as
     the client sent it. Every other field keeps its value as Python's json read it (a
-    NaN stays NaN: the engine answers it as it would have); only the ids, most of the
-    bytes, go through msgspec (~10 µs for 1,800 ids against ~160 µs in json)."""
+    NaN stays NaN, a lone surrogate stays escaped: the engine reads what it would
+    have); only the ids, most of the bytes, go through msgspec (~10 µs for 1,800 ids
+    against ~160 µs in json)."""
     if not isinstance(body.get("prompt"), str) or not tokens:
         return None
-    if body.get("echo") not in (None, False) or body.get("truncate_prompt_tokens") is not None:
+    if max_model_len is not None and len(tokens) > max_model_len:
         return None
-    rest = {k: v for k, v in body.items() if k != "prompt"}
-    others = json.dumps(rest, ensure_ascii=False, separators=(",", ":")).encode()
+    for field in _KEPT_AS_TEXT:
+        value = body.get(field)
+        if value is not None and value is not False:  # (0 is given: not False)
+            return None
+    others = json.dumps({k: v for k, v in body.items() if k != "prompt"}).encode()
     ids = msgspec.json.encode(tokens)
     if others == b"{}":
         return b'{"prompt":' + ids + b"}"
     return b'{"prompt":' + ids + b"," + others[1:]
 
 
-async def engine_disagrees(
+class Agreement(NamedTuple):
+    """What an engine's ``/tokenize`` said of the router's tokenizer."""
+
+    why_not: str | None
+    """None: the same ids for every probe; else how they differed."""
+    max_model_len: int | None = None
+
+
+async def check_engine(
     session: aiohttp.ClientSession,
     base: str,
     model: str,
-    encode: Any,
+    encode: Callable[[str, bool], list[int]],
+    texts: list[str],
     timeout: aiohttp.ClientTimeout,
-) -> str | None:
-    """Why the engine at ``base`` may not be sent ids: its ``/tokenize`` gave other ids
-    than ``encode(text, add_special_tokens=True)`` for a probe text, or did not answer
-    (None: it agrees on them all)."""
-    for text in PROBES:
-        request = {"model": model, "prompt": text, "add_special_tokens": True}
-        try:
+) -> Agreement:
+    """Whether the engine at ``base`` tokenizes ``texts`` as ``encode`` does, with and
+    without special tokens. Raises `aiohttp.ClientError` or `TimeoutError` where it
+    could not be asked (try again later); a refusal or another answer is a `why_not`."""
+    longest: int | None = None
+    for text in texts:
+        for special in (True, False):
+            request = {"model": model, "prompt": text, "add_special_tokens": special}
             async with session.post(f"{base}/tokenize", json=request, timeout=timeout) as answer:
                 if answer.status != 200:
-                    return f"its /tokenize answered {answer.status}"
-                theirs = (await answer.json()).get("tokens")
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as error:
-            return f"its /tokenize failed ({type(error).__name__})"
-        if theirs != list(encode(text, True)):
-            return f"its /tokenize gave other ids for {text!r}"
-    return None
+                    return Agreement(f"its /tokenize answered {answer.status}")
+                try:
+                    said = await answer.json(content_type=None)
+                except ValueError:
+                    return Agreement("its /tokenize did not answer JSON")
+            if not isinstance(said, dict) or said.get("tokens") != encode(text, special):
+                return Agreement(f"its /tokenize gave other ids for {text[:80]!r}")
+            length = said.get("max_model_len")
+            longest = length if type(length) is int and length > 0 else None
+    return Agreement(None, longest)

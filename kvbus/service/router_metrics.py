@@ -43,6 +43,11 @@ class Metrics:
         self.requests = counter("requests", "Requests forwarded", (*per_worker, "code"))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens routed")
         self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
+        self.prompts_as_ids = counter(
+            "prompts_sent_as_ids",
+            "Completions whose text prompt went to the engine as token ids (--send-token-ids)",
+            (),
+        )
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
         self.shed = counter(
             "shed_requests",

@@ -18,7 +18,7 @@ from typing import Any, Final, NamedTuple
 import aiohttp
 
 from kvbus.logs import displayable, shown
-from kvbus.service.prompt_ids import engine_disagrees, ids_body
+from kvbus.service.prompt_ids import check_engine, ids_body, probe_texts
 from kvbus.service.upstream import QUICK, SHOWN_ERROR, Upstream
 
 log = logging.getLogger("kvbus.routing.router")
@@ -222,7 +222,10 @@ class ServedModel:
         self.max_tokenize_bytes = max_tokenize_bytes
         self.send_token_ids = send_token_ids
         self.ids_agreed = False
-        """``--send-token-ids`` and the engine's /tokenize agreed with the tokenizer."""
+        """``--send-token-ids`` and an engine's /tokenize agreed with the tokenizer."""
+        self.ids_checked: str | None = None
+        """How that check went (/health's ``token_ids``): None until it is done."""
+        self._max_model_len: int | None = None
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="kvbus-tokenize")
 
     def close(self) -> None:
@@ -249,7 +252,7 @@ class ServedModel:
             await self._load_tokenizer(self.tokenizer_path, "--tokenizer")
         while True:
             for base in list(self.workers.values()):  # (found ones join meanwhile)
-                root = None
+                root, name = None, ""
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     async with (
                         self.upstream.quick_slots,
@@ -258,15 +261,16 @@ class ServedModel:
                         cards = (await response.json())["data"]
                     self.models = {c["id"] for c in cards}
                     self.loras = {c["id"] for c in cards if c.get("parent")}
-                    base_models = (c.get("root") or c["id"] for c in cards if not c.get("parent"))
-                    root = next(base_models, None)
+                    base_card = next((c for c in cards if not c.get("parent")), None)
+                    if base_card is not None:
+                        name, root = base_card["id"], base_card.get("root") or base_card["id"]
                 if root is None:
                     continue
                 log.info("models %s", sorted(self.models))
                 if self.tokenizer is None and self.tokenizer_error is None:
                     await self._load_tokenizer(root, "model")
                 if self.send_token_ids and self.tokenizer is not None:
-                    await self._check_ids(session, base, root)
+                    await self._check_ids(session, name)
                 return
             await asyncio.sleep(1)
 
@@ -288,20 +292,45 @@ class ServedModel:
             return
         log.info("tokenizer from %s", shown(path))
 
-    async def _check_ids(self, session: aiohttp.ClientSession, base: str, model: str) -> None:
-        """``--send-token-ids`` once the engine at ``base`` tokenizes as the router does."""
-        assert self.tokenizer is not None
-        why = await engine_disagrees(session, base, model, self.tokenizer.encode, QUICK)
-        self.ids_agreed = why is None
-        if why is None:
+    async def _check_ids(self, session: aiohttp.ClientSession, model: str) -> None:
+        """``--send-token-ids`` once an engine's /tokenize gives the tokenizer's ids for
+        the probe texts: the workers in turn, until one answers (five rounds, 2 s
+        apart; then prompts go as text until the router restarts)."""
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+        hf = tokenizer.hf
+        specials = [*getattr(hf, "all_special_tokens", []), *hf.get_added_vocab()]
+        texts = probe_texts([str(t) for t in specials])
+        why = "no engine answered its /tokenize"
+        for _ in range(5):
+            for base in list(self.workers.values()):
+                try:
+                    async with self.upstream.quick_slots:
+                        said = await check_engine(
+                            session, base, model, tokenizer.encode, texts, QUICK
+                        )
+                except (aiohttp.ClientError, TimeoutError):
+                    continue
+                self.ids_agreed = said.why_not is None
+                self._max_model_len = said.max_model_len
+                self._say_ids(base, said.why_not or "")
+                return
+            await asyncio.sleep(2)
+        self._say_ids(None, why)
+
+    def _say_ids(self, base: str | None, why: str) -> None:
+        if self.ids_agreed:
+            self.ids_checked = "sent as token ids"
             log.info("--send-token-ids: completions' prompts go to the engines as token ids")
-        else:
-            log.warning(
-                "--send-token-ids: prompts go as text, the engine at %s does not tokenize "
-                "as the router's tokenizer does: %s",
-                shown(base),
-                displayable(why, SHOWN_ERROR),
-            )
+            return
+        where = f"the engine at {shown(base)}" if base else "the engines"
+        self.ids_checked = f"sent as text: {displayable(why, SHOWN_ERROR)}"
+        log.warning(
+            "--send-token-ids: prompts go as text, %s does not tokenize as the router's "
+            "tokenizer does: %s",
+            where,
+            displayable(why, SHOWN_ERROR),
+        )
 
     def _tokens(self, raw: bytes | bytearray, tokenize: Tokenize, as_ids: bool) -> Read:
         """The request's `Prompt` (None when it cannot be read) and, with ``as_ids``,
@@ -323,5 +352,5 @@ class ServedModel:
             [(salt,)] if isinstance(salt, str) and salt else None
         )  # vLLM refuses any other salt (400): then the key does not matter
         lora = model if model in self.loras else None
-        sent = ids_body(body, tokens) if as_ids and lora is None else None
+        sent = ids_body(body, tokens, self._max_model_len) if as_ids and lora is None else None
         return Prompt(tokens, lora, extra), sent
