@@ -358,37 +358,6 @@ def test_routing_accuracy_is_a_live_metric(cluster: Cluster, router: RouterProce
     assert grew("kvbus_router_regret_tokens_sum") == predicted - reported
 
 
-def test_a_router_with_no_worker_routes_to_the_engines_the_bus_tells_of(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    """Each engine's load records say where it serves (vLLM's own --host/--port): a
-    router given no --worker routes to both, refuses an advertised URL outside its
-    --discover-hosts, and stops routing to an engine that stops. Last in this module: it
-    stops engine b."""
-    fenced = RouterProcess(
-        tmp_path / "fenced", {}, "round_robin", cluster.nats.url, ["--discover-hosts", "10.0.0.0/8"]
-    )
-    router = RouterProcess(tmp_path / "open", {}, "round_robin", cluster.nats.url)
-    for process in (fenced, router):
-        process.data_dir.mkdir()
-        process.launch()
-    try:
-        router.wait_ready(2, timeout=60)
-        refused = "is refused (host '127.0.0.1' not in --discover-hosts)"
-        fenced.wait(lambda: refused in fenced.log_tail(), timeout=30)
-        assert fenced.health()["eligible"] == []  # the same records, refused
-        body = {"model": str(cluster.model), "prompt": words(400, 40), "max_tokens": 2}
-        answers = [post(f"{router.url}/v1/completions", body) for _ in range(6)]
-        assert {a[1]["x-kvbus-worker"] for a in answers if a[0] == 200} == WORKERS
-        next(s for s in cluster.servers if s.source == "b").stop()
-        after = [post(f"{router.url}/v1/completions", body) for _ in range(6)]
-        assert [(a[0], a[1]["x-kvbus-worker"]) for a in after] == [(200, "a/dp0")] * 6
-        assert router.health()["eligible"] == ["a/dp0"]
-    finally:
-        fenced.stop()
-        router.stop()
-
-
 def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_path: Path) -> None:
     """``--send-token-ids``: the router checks an engine's /tokenize against its tokenizer
     and then sends a completion's text prompt as its ids; the engine takes the prompt it
@@ -427,3 +396,34 @@ def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_pa
         assert sent_as_ids() == 2
     finally:
         process.stop()
+
+
+def test_a_router_with_no_worker_routes_to_the_engines_the_bus_tells_of(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Each engine's load records say where it serves (vLLM's own --host/--port): a
+    router given no --worker routes to both, refuses an advertised URL outside its
+    --discover-hosts, and stops routing to an engine that stops. Last in this module: it
+    stops engine b."""
+    fenced = RouterProcess(
+        tmp_path / "fenced", {}, "round_robin", cluster.nats.url, ["--discover-hosts", "10.0.0.0/8"]
+    )
+    router = RouterProcess(tmp_path / "open", {}, "round_robin", cluster.nats.url)
+    for process in (fenced, router):
+        process.data_dir.mkdir()
+        process.launch()
+    try:
+        router.wait_ready(2, timeout=60)
+        refused = "is refused (host '127.0.0.1' not in --discover-hosts)"
+        fenced.wait(lambda: refused in fenced.log_tail(), timeout=30)
+        assert fenced.health()["eligible"] == []  # the same records, refused
+        body = {"model": str(cluster.model), "prompt": words(400, 40), "max_tokens": 2}
+        answers = [post(f"{router.url}/v1/completions", body) for _ in range(6)]
+        assert {a[1]["x-kvbus-worker"] for a in answers if a[0] == 200} == WORKERS
+        next(s for s in cluster.servers if s.source == "b").stop()
+        after = [post(f"{router.url}/v1/completions", body) for _ in range(6)]
+        assert [(a[0], a[1]["x-kvbus-worker"]) for a in after] == [(200, "a/dp0")] * 6
+        assert router.health()["eligible"] == ["a/dp0"]
+    finally:
+        fenced.stop()
+        router.stop()
