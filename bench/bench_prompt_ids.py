@@ -23,19 +23,17 @@ its work the same in every arm) and of the router's.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from cluster import NatsServer, RouterProcess, VllmServer, make_model
+from cluster import NatsServer, RouterProcess, VllmServer, make_model, post_json
 
 ARMS = ("direct text", "direct ids", "router text", "router ids")
 
@@ -48,12 +46,9 @@ def cpu_seconds(pid: int) -> float:
 
 def post(url: str, body: dict[str, Any]) -> float:
     """Seconds from the send to the whole answer (a 200)."""
-    data = json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     began = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=120) as response:
-        response.read()
-        assert response.status == 200
+    status, _, answer = post_json(url, body)
+    assert status == 200, answer
     return time.perf_counter() - began
 
 

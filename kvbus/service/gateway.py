@@ -395,9 +395,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--send-token-ids",
         action="store_true",
         help="send a completion's text prompt to its engine as the token ids the router "
-        "computed, so the engine does not tokenize it again (once the first engine's "
-        "/tokenize agrees with the router's tokenizer; not with echo, "
-        "truncate_prompt_tokens or a LoRA)",
+        "computed, so the engine does not tokenize it again (once an engine's /tokenize "
+        "agrees with the router's tokenizer; where the answer could tell, as sent: README)",
     )
     parser.add_argument(
         "--url",

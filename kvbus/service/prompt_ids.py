@@ -6,8 +6,9 @@ vocabulary (``bench/bench_prompt_ids.py``) and more for a real model's.
 
 The ids are sent only where the engine's answer cannot tell them from the text:
 
-- once an engine's own ``/tokenize`` gave the router's ids for every probe text, the
-  model's special and added tokens among them, with and without special tokens (a
+- once an engine's own ``/tokenize`` gave the router's ids for every probe text
+  (`kvbus.service.served_model.probe_texts`: the model's special and added tokens among
+  them), with and without special tokens (a
   router given another tokenizer than the engines' would otherwise change what they
   compute, not only where it runs); the router assumes, as it does for routing, that
   every worker serves that one model;
@@ -27,22 +28,8 @@ from typing import Any, Final, NamedTuple
 import aiohttp
 import msgspec
 
-PROBES: Final = (
-    "Hello, world! It's 2026: 3.14159 and 42.",
-    "  two  spaces\n\ttab\r\n and trailing   ",
-    "héllo wörld — 世界 🙂 naïve café",
-)
-"""Texts the engine's ``/tokenize`` and the router's tokenizer must agree on (with the
-model's special and added tokens, `probe_texts`)."""
-_MOST_SPECIALS: Final = 64
 _KEPT_AS_TEXT: Final = ("echo", "suffix", "truncate_prompt_tokens")
 """Fields that make a prompt go as sent when given (not null, not false)."""
-
-
-def probe_texts(specials: list[str]) -> list[str]:
-    """`PROBES` and the model's special and added tokens (``specials``) among words."""
-    joined = " ".join(sorted(set(specials))[:_MOST_SPECIALS])
-    return [*PROBES, joined, f"{joined} w3 {joined}x"] if joined else list(PROBES)
 
 
 def ids_body(body: dict[str, Any], tokens: list[int], max_model_len: int | None) -> bytes | None:
@@ -85,7 +72,7 @@ async def check_engine(
     """Whether the engine at ``base`` tokenizes ``texts`` as ``encode`` does, with and
     without special tokens. Raises `aiohttp.ClientError` or `TimeoutError` where it
     could not be asked (try again later); a refusal or another answer is a `why_not`."""
-    longest: int | None = None
+    max_model_len: int | None = None
     for text in texts:
         for special in (True, False):
             request = {"model": model, "prompt": text, "add_special_tokens": special}
@@ -99,5 +86,5 @@ async def check_engine(
             if not isinstance(said, dict) or said.get("tokens") != encode(text, special):
                 return Agreement(f"its /tokenize gave other ids for {text[:80]!r}")
             length = said.get("max_model_len")
-            longest = length if type(length) is int and length > 0 else None
-    return Agreement(None, longest)
+            max_model_len = length if type(length) is int and length > 0 else None
+    return Agreement(None, max_model_len)

@@ -18,7 +18,7 @@ from typing import Any, Final, NamedTuple
 import aiohttp
 
 from kvbus.logs import displayable, shown
-from kvbus.service.prompt_ids import check_engine, ids_body, probe_texts
+from kvbus.service.prompt_ids import check_engine, ids_body
 from kvbus.service.upstream import QUICK, SHOWN_ERROR, Upstream
 
 log = logging.getLogger("kvbus.routing.router")
@@ -159,6 +159,14 @@ def _backend_ids(backend: Any, text: str, add_special_tokens: bool) -> Any:
     return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
+def probe_texts(hf: Any) -> list[str]:
+    """`_PROBES`, and ``hf``'s special and added tokens among words: the texts a second
+    tokenizer of the model's prompts (its Rust backend, an engine's) must agree on."""
+    added: dict[str, int] = getattr(hf, "get_added_vocab", dict)()
+    specials = " ".join(sorted({str(t) for t in [*getattr(hf, "all_special_tokens", []), *added]}))
+    return [*_PROBES, specials, f"{specials} w3 {specials}"]
+
+
 def _same_backend(hf: Any) -> Any:
     """``hf``'s Rust backend (`tokenizers.Tokenizer`), where it has one with
     ``encode_batch_fast`` and encodes the probe texts, with and without special tokens,
@@ -167,9 +175,8 @@ def _same_backend(hf: Any) -> Any:
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return None
-    specials = " ".join(str(t) for t in getattr(hf, "all_special_tokens", []))
     try:
-        for text in (*_PROBES, specials, f"{specials} w3 {specials}"):
+        for text in probe_texts(hf):
             for special in (True, False):
                 # hf(...) first: it sets the backend as each call of it does (no
                 # truncation or padding, its split_special_tokens).
@@ -298,9 +305,7 @@ class ServedModel:
         apart; then prompts go as text until the router restarts)."""
         tokenizer = self.tokenizer
         assert tokenizer is not None
-        hf = tokenizer.hf
-        specials = [*getattr(hf, "all_special_tokens", []), *hf.get_added_vocab()]
-        texts = probe_texts([str(t) for t in specials])
+        texts = [t for t in probe_texts(tokenizer.hf) if t.strip()]  # (vLLM: no empty prompt)
         why = "no engine answered its /tokenize"
         for _ in range(5):
             for base in list(self.workers.values()):
