@@ -53,14 +53,18 @@ stage, request by request (bench/fleet_verdicts.py): the p90's difference and th
 
 The vllm-router runs go on a fleet of their own at a quarter of ``--speedup``
 (``--speedup-for``): vllm-router renders each prompt on every engine, which on one sim
-process costs 8 tokenizations a request. Time on 2 cores: about 10 min a scenario for
-kv and the two cache-aware peers at three repetitions, (b) longer (the vllm-router rows
-take about 60% of it); ``--quick`` runs (a) and (e) once, a sixth as long (about 7 min;
-all six scenarios so, 30 min); ``--routers`` picks fewer.
+process costs 8 tokenizations a request. A router's own wall time then counts a quarter
+as much in vllm-router's simulated TTFT as in kv's; ``--kv-at-every-speedup`` also runs
+kv on that fleet, and the verdicts judge each peer against kv at its own speed. Time on
+2 cores: about 10 min a scenario for kv and the two cache-aware peers at three
+repetitions, (b) longer (the vllm-router rows take about 60% of it); ``--quick`` runs
+(a) and (e) once, a sixth as long (about 7 min; all six scenarios so, 30 min);
+``--routers`` picks fewer.
 
     python bench/bench_fleet_routing.py [--quick] [--scenarios a,e,c,f,d,b]
         [--routers kv,round_robin,sglang-cache_aware,...] [--repetitions N] [--json FILE]
         [--logs DIR [--router-debug]] [--trace .../conversation_trace.jsonl]
+        [--kv-at-every-speedup]
 """
 
 from __future__ import annotations
@@ -463,11 +467,18 @@ def table(
     )
     lines = [head, "-" * len(head)]
     stages = plans[0].stages
+    speeds: dict[str, set[float]] = {}
+    for run in runs:
+        speeds.setdefault(run.router, set()).add(run.speedup)
+
+    def label(run: Run) -> str:  # a router run at several speedups: one row each
+        return run.router if len(speeds[run.router]) < 2 else f"{run.router}@{run.speedup:g}"
+
     for index, stage in enumerate(stages):
         if stage[0] == WARM_UP:
             continue
-        for router in dict.fromkeys(r.router for r in runs):
-            for run in (r for r in runs if r.router == router):
+        for router in dict.fromkeys(label(r) for r in runs):
+            for run in (r for r in runs if label(r) == router):
                 f = figures(run, plans[run.repetition].stages[index], slo, bounds[run.repetition])
                 busiest = max(run.cpu.items(), key=lambda kv: kv[1])
                 lines.append(
@@ -730,11 +741,16 @@ def speedups(policies: list[str], args: argparse.Namespace) -> dict[float, list[
     """The routers by the sim's speedup they run at: ``--speedup``, or less for routers
     that cost the sim more CPU per request (``--speedup-for``). The figures are in
     simulated time, so rows run at different speedups compare as long as no process
-    is CPU-bound."""
+    is CPU-bound, except in the routers' own wall time, which counts for less at a
+    lower speedup: ``--kv-at-every-speedup`` also runs kv beside each slower peer."""
     special = dict(args.speedup_for or [])
     groups: dict[float, list[str]] = {}
     for policy in policies:
         groups.setdefault(special.get(policy, args.speedup), []).append(policy)
+    if args.kv_at_every_speedup and "kv" in policies:
+        for routers in groups.values():
+            if "kv" not in routers and any(r in PEERS for r in routers):
+                routers.insert(0, "kv")
     return groups
 
 
@@ -871,6 +887,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "vllm-router runs at a quarter of --speedup: they render each prompt on every "
         "engine, 8 renders a request, which would make the one sim process CPU-bound)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-at-every-speedup", action="store_true",
+        help="kvbus's kv also on each fleet a peer runs on at another speedup (--speedup-for), "
+        "so that each peer is judged against kv at its own speed (a router's wall time "
+        "counts for less, simulated, on a slower fleet); the verdicts pair them",
+    )  # fmt: skip
     parser.add_argument("--slo", type=float, default=1.0, help="TTFT SLO, simulated seconds")
     parser.add_argument(
         "--timeout", type=float, default=1.5,
@@ -994,6 +1016,7 @@ async def main() -> None:
                 {
                     "router": r.router,
                     "repetition": r.repetition,
+                    "speedup": r.speedup,
                     "cpu": r.cpu,
                     "machine_cpu": r.machine_cpu,
                     "actions": r.actions,

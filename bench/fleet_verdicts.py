@@ -161,6 +161,9 @@ class Row:
     runs: int = 1
     peer_runs: int = 1
     """Runs pooled (``good`` and ``peer_good`` are their mean)."""
+    ours: str = ""
+    """The router's runs compared (`_grouped`): its name, with ``@speedup`` where it ran
+    at several."""
 
     @property
     def verdict(self) -> str:
@@ -182,28 +185,34 @@ def rows(
     (default: every router in ``scenario`` but kvbus's own) in that repetition and stage;
     ``scenario`` is one entry of the JSON's ``scenarios``, or several runs' entries with
     their ``runs`` put together (`merged`): a router's runs of one repetition pool."""
-    by_run, repetitions, named, stages = _grouped(scenario, router, peers)
+    by_run, repetitions, named, stages, against = _grouped(scenario, router, peers)
     out: list[Row] = []
     for stage in stages:
         for repetition in repetitions:
-            ours = [_stage_ttfts(run, stage) for run in by_run[(router, repetition)]]
-            first = by_run[(router, repetition)][0]
-            clusters = _bursts([q for q in first if q[1] == stage])
             candidates = []
-            for peer in (p for p in named if (p, repetition) in by_run):
+            for peer in named:
+                mine = against[peer]
+                if (peer, repetition) not in by_run or (mine, repetition) not in by_run:
+                    continue
+                ours = [_stage_ttfts(run, stage) for run in by_run[(mine, repetition)]]
                 theirs = [_stage_ttfts(run, stage) for run in by_run[(peer, repetition)]]
-                candidates.append((-_good(theirs, slo), _quantile(theirs, 0.9), peer, theirs))
-            if not ours[0] or not candidates:
+                if ours[0]:
+                    candidates.append(
+                        (-_good(theirs, slo), _quantile(theirs, 0.9), peer, mine, ours, theirs)
+                    )
+            if not candidates:
                 continue
             # The best peer as the verdict ranks: the most within the SLO, then the p90.
-            *_, peer, theirs = min(candidates, key=lambda c: (c[0], c[1], c[2]))
+            *_, peer, mine, ours, theirs = min(candidates, key=lambda c: (c[0], c[1], c[2]))
+            first = by_run[(mine, repetition)][0]
+            clusters = _bursts([q for q in first if q[1] == stage])
             out.append(
                 Row(
                     stage, repetition, peer,
                     paired_p90_difference(ours, theirs, resamples, repetition, clusters),
                     _good(ours, slo), _good(theirs, slo),
                     _quantile(ours, 0.99), _quantile(theirs, 0.99),
-                    len(ours), len(theirs),
+                    len(ours), len(theirs), mine,
                 )
             )  # fmt: skip
     return out
@@ -215,30 +224,56 @@ Runs = dict[tuple[str, int], list[list[list[Any]]]]
 
 def _grouped(
     scenario: dict[str, Any], router: str, peers: Collection[str] | None
-) -> tuple[Runs, list[int], list[str], list[str]]:
+) -> tuple[Runs, list[int], list[str], list[str], dict[str, str]]:
     """The scenario's runs by router and repetition (a run copied into two results files
-    once), ``router``'s repetitions, the peers (default: every router but kvbus's own)
-    and the stages (warm-up aside); every peer's run checked to be of ``router``'s plan."""
-    by_run: Runs = {}
+    once), ``router``'s repetitions, the peers (default: every router but kvbus's own),
+    the stages (warm-up aside), and which of ``router``'s runs each peer is against;
+    every peer's run checked to be of the plan of the runs it is against.
+
+    A router that ran at several speedups of the sim (the bench's ``speedup`` of a
+    run, ``--speedup-for``) is several: ``kv@0.1`` and ``kv@0.025``, never pooled (its
+    wall time counts for more at the higher). A peer is against ``router``'s runs at
+    its own speedup where there are any (the same engines), else at the first speedup
+    ``router`` ran at."""
+    speeds: dict[str, list[Any]] = {}
     for run in scenario["runs"]:
-        runs = by_run.setdefault((run["router"], run["repetition"]), [])
+        seen = speeds.setdefault(run["router"], [])
+        if run.get("speedup") not in seen:
+            seen.append(run.get("speedup"))
+
+    def label(name: str, speedup: Any) -> str:
+        return name if len(speeds[name]) < 2 else f"{name}@{speedup:g}"
+
+    by_run: Runs = {}
+    speed_of: dict[str, Any] = {}
+    for run in scenario["runs"]:
+        name = label(run["router"], run.get("speedup"))
+        speed_of[name] = run.get("speedup")
+        runs = by_run.setdefault((name, run["repetition"]), [])
         if run["requests"] not in runs:  # a run copied into two results files: once
             runs.append(run["requests"])
-    repetitions = sorted({rep for name, rep in by_run if name == router})
+    mine = [label(router, s) for s in speeds.get(router, [])]
+    repetitions = sorted({rep for name, rep in by_run if name in mine})
     if peers is None:
-        peers = {name for name, _ in by_run if name not in OWN}
-    named = sorted(set(peers) - {router})
+        peers = {name for name in speeds if name not in OWN}
+    named = sorted(
+        label(name, s) for name in set(peers) - {router} if name in speeds for s in speeds[name]
+    )
+    against = {
+        peer: next((m for m in mine if speed_of[m] == speed_of[peer]), mine[0] if mine else "")
+        for peer in named
+    }
     for (name, repetition), runs in by_run.items():
-        if (name != router and name not in named) or (router, repetition) not in by_run:
+        if name not in named or (against[name], repetition) not in by_run:
             continue
         for requests in runs:
-            _check_paired(by_run[(router, repetition)][0], requests, name)
+            _check_paired(by_run[(against[name], repetition)][0], requests, name)
     stages = (
-        list(dict.fromkeys(q[1] for q in by_run[(router, repetitions[0])][0]))
-        if repetitions
+        list(dict.fromkeys(q[1] for q in by_run[(mine[0], repetitions[0])][0]))
+        if repetitions and (mine[0], repetitions[0]) in by_run
         else []
     )
-    return by_run, repetitions, named, [s for s in stages if s != "warm-up"]
+    return by_run, repetitions, named, [s for s in stages if s != "warm-up"], against
 
 
 @dataclass(frozen=True)
@@ -256,6 +291,8 @@ class StageVerdict:
     repetitions: int
     at_or_under: int
     """Repetitions where ``router``'s p90 was at or under the peer's."""
+    ours: str = ""
+    """The router's runs compared (as `Row.ours`)."""
 
     @property
     def verdict(self) -> str:
@@ -271,20 +308,21 @@ def stage_verdicts(
     (a router's runs of each: the first as many as its fewest in any repetition, so that
     each resample draws a request in the same number of runs everywhere); a resample
     draws among all the repetitions' requests (a burst's siblings together)."""
-    by_run, repetitions, named, stages = _grouped(scenario, router, peers)
+    by_run, repetitions, named, stages, against = _grouped(scenario, router, peers)
     out: list[StageVerdict] = []
     for stage in stages:
         for peer in named:
-            both = [r for r in repetitions if (peer, r) in by_run]
+            mine = against[peer]
+            both = [r for r in repetitions if (peer, r) in by_run and (mine, r) in by_run]
             if not both:
                 continue
-            ours = [[_stage_ttfts(run, stage) for run in by_run[(router, r)]] for r in both]
+            ours = [[_stage_ttfts(run, stage) for run in by_run[(mine, r)]] for r in both]
             theirs = [[_stage_ttfts(run, stage) for run in by_run[(peer, r)]] for r in both]
             if not all(runs[0] for runs in ours):
                 continue
             clusters: list[tuple[int, int]] = []
             for r in both:
-                first = [q for q in by_run[(router, r)][0] if q[1] == stage]
+                first = [q for q in by_run[(mine, r)][0] if q[1] == stage]
                 clusters += [(r, label) for label in _bursts(first)]
             difference = paired_p90_difference(
                 _joined(ours), _joined(theirs), resamples, 0, clusters
@@ -297,7 +335,7 @@ def stage_verdicts(
                     stage, peer, difference,
                     sum(_good(runs, slo) for runs in ours),
                     sum(_good(runs, slo) for runs in theirs),
-                    len(both), under,
+                    len(both), under, mine,
                 )
             )  # fmt: skip
     return out
@@ -373,7 +411,7 @@ def table(
     if not found:
         return f"(no {router} run beside a peer on the same plans)"
     head = (
-        f"{'stage':10} {'rep':>3} {'best peer':24} {router + ' p90':>8} {'peer p90':>8} "
+        f"{'stage':10} {'rep':>3} {'best peer':29} {router + ' p90':>8} {'peer p90':>8} "
         f"{'diff':>6} {'95% of resamples':>17} {'good':>9} {'verdict':12} "
         f"{'p99 ' + router + '/peer':>14}"
     )
@@ -387,7 +425,7 @@ def table(
         verdict = row.verdict
         counts[verdict] = counts.get(verdict, 0) + 1
         lines.append(
-            f"{row.stage:10} {row.repetition + 1:>3} {row.peer:24} {_ms(d.ours):>8} "
+            f"{row.stage:10} {row.repetition + 1:>3} {row.peer:29} {_ms(d.ours):>8} "
             f"{_ms(d.theirs):>8} {_ms(d.value, sign=True):>6} "
             f"{_interval(d):>17} {f'{_count(row.good)}/{_count(row.peer_good)}':>9} {verdict:12} "
             f"{_ms(row.p99) + '/' + _ms(row.peer_p99):>14}"
@@ -397,6 +435,7 @@ def table(
         _tally(counts, router, f"{len(found)} stage-repetitions against the best peer of each "
                "(by goodput, then TTFT p90 in ms)")
     )  # fmt: skip
+    lines += _pairs(found, router)
     if len({row.repetition for row in found}) > 1:
         lines += ["", _stage_table(stage_verdicts(scenario, router, slo, resamples, peers), router)]
     return "\n".join(lines)
@@ -405,7 +444,7 @@ def table(
 def _stage_table(found: list[StageVerdict], router: str) -> str:
     """`stage_verdicts` a line each, and a count of them."""
     head = (
-        f"{'stage':10} {'peer':24} {router + ' p90':>8} {'peer p90':>8} {'diff':>6} "
+        f"{'stage':10} {'peer':29} {router + ' p90':>8} {'peer p90':>8} {'diff':>6} "
         f"{'95% of resamples':>17} {'good':>11} {'verdict':12} {'reps at or under':>16}"
     )
     lines = ["over the repetitions, against each peer:", head, "-" * len(head)]
@@ -414,7 +453,7 @@ def _stage_table(found: list[StageVerdict], router: str) -> str:
         d = row.difference
         counts[row.verdict] = counts.get(row.verdict, 0) + 1
         lines.append(
-            f"{row.stage:10} {row.peer:24} {_ms(d.ours):>8} {_ms(d.theirs):>8} "
+            f"{row.stage:10} {row.peer:29} {_ms(d.ours):>8} {_ms(d.theirs):>8} "
             f"{_ms(d.value, sign=True):>6} "
             f"{_interval(d):>17} {f'{_count(row.good)}/{_count(row.peer_good)}':>11} "
             f"{row.verdict:12} "
@@ -423,7 +462,19 @@ def _stage_table(found: list[StageVerdict], router: str) -> str:
     lines.append(
         _tally(counts, router, f"{len(found)} stages against each peer over every repetition")
     )
-    return "\n".join(lines)
+    return "\n".join(lines + _pairs(found, router))
+
+
+def _pairs(found: Sequence[Row] | Sequence[StageVerdict], router: str) -> list[str]:
+    """Which of ``router``'s runs each peer was against, where it ran at several speedups."""
+    pairs = {row.peer: row.ours for row in found if row.ours and row.ours != router}
+    if not pairs:
+        return []
+    said = ", ".join(f"{peer} against {ours}" for peer, ours in pairs.items())
+    return [
+        f"({router} ran at several speedups; each peer against its runs at the peer's own "
+        f"where there are any: {said})"
+    ]
 
 
 def _interval(d: Difference) -> str:

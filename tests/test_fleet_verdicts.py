@@ -313,3 +313,78 @@ def test_one_repetition_prints_no_summary_over_the_repetitions() -> None:
     scenario = {"title": "t", "runs": [_run("kv", 0, _ttfts(50, 26)),
                                        _run("sglang-cache_aware", 0, _ttfts(50, 27))]}  # fmt: skip
     assert "over the repetitions" not in table(scenario, "kv", 1.0, 100)
+
+
+def _at(speedup: float, run: dict[str, Any]) -> dict[str, Any]:
+    return {**run, "speedup": speedup}
+
+
+def test_each_peer_is_against_kv_at_its_own_speedup_and_the_speeds_never_pool() -> None:
+    """kv ran at 0.1 beside sglang-router and at 0.025 beside vllm-router (the bench's
+    --kv-at-every-speedup). Its runs at 0.1 are slower than vllm-router's, its runs at
+    0.025 faster: vllm-router is judged against the latter, sglang-router against the
+    former, and kv's two speeds are two routers, not two runs of one."""
+    base = _ttfts(250, 30)
+    runs = []
+    for repetition in (0, 1):
+        runs += [
+            _at(0.1, _run("kv", repetition, [t * 1.5 for t in base])),
+            _at(0.025, _run("kv", repetition, [t * 0.5 for t in base])),
+            _at(0.1, _run("sglang-cache_aware", repetition, [t * 2 for t in base])),
+            _at(0.025, _run("vllm-router-cache_aware", repetition, base)),
+        ]
+    scenario = {"title": "t", "runs": runs}
+    found = rows(scenario, "kv", 1.0, 300)
+    # vllm-router's p90 is the lowest, so it is each repetition's best peer, against kv@0.025
+    assert [(r.peer, r.ours, r.runs, r.verdict) for r in found] == [
+        ("vllm-router-cache_aware", "kv@0.025", 1, "ahead"),
+        ("vllm-router-cache_aware", "kv@0.025", 1, "ahead"),
+    ]
+    stages = {v.peer: v for v in fleet_verdicts.stage_verdicts(scenario, "kv", 1.0, 300)}
+    assert stages["sglang-cache_aware"].ours == "kv@0.1"
+    assert stages["sglang-cache_aware"].verdict == "ahead"  # 1.5x against 2x
+    assert stages["vllm-router-cache_aware"].ours == "kv@0.025"
+    printed = table(scenario, "kv", 1.0, 300)
+    assert "vllm-router-cache_aware against kv@0.025" in printed
+    assert "sglang-cache_aware against kv@0.1" in printed
+    # Without kv at vllm-router's speed, it is against kv's first (0.1): behind.
+    alone = {"title": "t", "runs": [r for r in runs if r["router"] != "kv" or r["speedup"] == 0.1]}
+    found = rows(alone, "kv", 1.0, 300)
+    assert [(r.peer, r.ours, r.verdict) for r in found] == [
+        ("vllm-router-cache_aware", "kv", "behind"),
+    ] * 2
+    assert "ran at several speedups" not in table(alone, "kv", 1.0, 300)
+
+
+def test_a_peer_run_at_two_speedups_is_two_peers() -> None:
+    base = _ttfts(200, 31)
+    scenario = {
+        "title": "t",
+        "runs": [
+            _at(0.1, _run("kv", 0, base)),
+            _at(0.1, _run("sglang-cache_aware", 0, [t * 2 for t in base])),
+            _at(0.05, _run("sglang-cache_aware", 0, [t * 0.5 for t in base])),
+        ],
+    }
+    (row,) = rows(scenario, "kv", 1.0, 300)
+    assert (row.peer, row.ours, row.peer_runs, row.verdict) == (
+        "sglang-cache_aware@0.05", "kv", 1, "behind",
+    )  # fmt: skip
+
+
+def test_the_bench_runs_kv_beside_each_slower_peer_when_asked() -> None:
+    from bench import bench_fleet_routing as bench
+
+    policies = ["kv", "sglang-cache_aware", "vllm-router-cache_aware", "round_robin"]
+    assert bench.speedups(policies, bench.parse_args([])) == {
+        0.1: ["kv", "sglang-cache_aware", "round_robin"],
+        0.025: ["vllm-router-cache_aware"],
+    }
+    paired = bench.speedups(policies, bench.parse_args(["--kv-at-every-speedup"]))
+    assert paired == {
+        0.1: ["kv", "sglang-cache_aware", "round_robin"],
+        0.025: ["kv", "vllm-router-cache_aware"],
+    }
+    assert bench.speedups(["round_robin"], bench.parse_args(["--kv-at-every-speedup"])) == {
+        0.1: ["round_robin"]
+    }
