@@ -4,14 +4,14 @@ tokenizes it) and as the token ids the router computed (it does not).
 
 One vLLM CPU server of the tiny model (examples/cluster.py: a word-level tokenizer, so
 its tokenizing is cheap next to a real model's BPE), NATS, and two kvbus routers in front
-of it, one with ``--send-token-ids``. One sequential client sends, in turns, the same
+of it, one with ``--no-send-token-ids``. One sequential client sends, in turns, the same
 ``--requests`` prompts of ``--prompt-words`` tokens (each its own, so no prefix is
 cached and the engine's prefill is the same for every arm), ``max_tokens`` 1, to:
 
 * ``direct text``: the server, the prompt as text (the baseline);
 * ``direct ids``: the server, the prompt as ids (what it costs the server untokenized);
-* ``router text``: the router without the option;
-* ``router ids``: the router with it.
+* ``router text``: the router with ``--no-send-token-ids``;
+* ``router ids``: the router as it runs by default (``--send-token-ids``).
 
 The table shows, per arm, the median over ``--repeats`` of: the latency p50, the CPU
 time of the vLLM API server process per request (the engine core is another process,
@@ -98,7 +98,7 @@ def main() -> None:
         try:
             server.wait_healthy()
             workers = {server.source: server.url}
-            text_router = RouterProcess(directory, workers, "kv", nats.url)
+            text_router = RouterProcess(directory, workers, "kv", nats.url, ["--no-send-token-ids"])
             ids_router = RouterProcess(directory, workers, "kv", nats.url, ["--send-token-ids"])
             ids_router.name = "router-kv-ids"
             for router in (text_router, ids_router):

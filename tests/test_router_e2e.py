@@ -359,11 +359,11 @@ def test_routing_accuracy_is_a_live_metric(cluster: Cluster, router: RouterProce
 
 
 def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_path: Path) -> None:
-    """``--send-token-ids``: the router checks an engine's /tokenize against its tokenizer
-    and then sends a completion's text prompt as its ids; the engine takes the prompt it
-    would have tokenized (same ids, same count, the same cached blocks found next time),
-    and an ``echo`` goes as text."""
-    process = RouterProcess(tmp_path, cluster.workers, "kv", cluster.nats.url, ["--send-token-ids"])
+    """By default (``--send-token-ids``) the router checks each engine's /tokenize against
+    its tokenizer and then sends a completion's text prompt as its ids; the engine takes
+    the prompt it would have tokenized (same ids, same count, the same cached blocks
+    found next time), and an ``echo`` goes as text."""
+    process = RouterProcess(tmp_path, cluster.workers, "kv", cluster.nats.url)
     process.launch()
 
     def sent_as_ids() -> float:
@@ -375,8 +375,8 @@ def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_pa
 
     try:
         process.wait_ready(2, timeout=60)
-        process.wait(lambda: process.health()["token_ids"] is not None, 30, 0.2)
-        assert process.health()["token_ids"] == "sent as token ids"
+        both = "sent as token ids (2 engines checked)"
+        process.wait(lambda: process.health()["token_ids"] == both, 30, 0.2)
         prompt = words(21, 200)  # 6 full blocks
         body = {"model": str(cluster.model), "prompt": prompt, "max_tokens": 2}
         body |= {"ignore_eos": True, "return_token_ids": True}

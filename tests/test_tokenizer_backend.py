@@ -140,11 +140,20 @@ async def test_prompts_read_in_place_and_on_the_threads_at_once_give_the_same_id
     import asyncio
     import json
 
+    from kvbus.service.prompt_ids import Agreement, EngineChecks
     from kvbus.service.served_model import _INLINE_TOKENIZE_BYTES, ServedModel
+
+    async def agreeing(base: str) -> Agreement:
+        return Agreement(None)
 
     served = ServedModel({}, None, None, max_tokenize_bytes=1 << 20)  # type: ignore[arg-type]
     served.tokenizer = byte_level_bpe
-    served.ids_agreed = True
+    served.checks = EngineChecks(agreeing, lambda: ["http://engine"])
+    served.checks.agrees("http://engine")  # its check starts, and answers at once
+    for _ in range(100):
+        if served.checks.any_agree:
+            break
+        await asyncio.sleep(0)
     words = "The quick brown fox jumps over the lazy dog, naïve café 🙂".split()
     prompts = [
         " ".join(words[(i + k) % len(words)] for k in range(n))

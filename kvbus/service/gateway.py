@@ -153,7 +153,7 @@ class RouterApp:
         discover_hosts: Sequence[str] | None = None,
         roles: dict[str, Role] | None = None,
         skip_prefill_above: float = 0.9,
-        send_token_ids: bool = False,
+        send_token_ids: bool = True,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
         self.router = router
@@ -308,8 +308,8 @@ class RouterApp:
             # SourceStopped: the others forget its requests (or expire them, if the
             # bus is down and it cannot be sent in time).
             await self.routes.aclose(_STOP_WAIT)
+        self.served.close()  # (first: its checks use the upstream's session)
         await self.upstream.close()
-        self.served.close()
 
 
 ENGINE_ADMIN_PATHS: Final = (
@@ -393,10 +393,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="tokenizer dir (default: the served model's)")
     parser.add_argument(
         "--send-token-ids",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="send a completion's text prompt to its engine as the token ids the router "
-        "computed, so the engine does not tokenize it again (once an engine's /tokenize "
-        "agrees with the router's tokenizer; where the answer could tell, as sent: README)",
+        "computed, so the engine does not tokenize it again (to each engine once its "
+        "/tokenize agrees with the router's tokenizer; where the answer could tell, as "
+        "sent: README; default: on; --no-send-token-ids: every request as the client "
+        "sent it)",
     )
     parser.add_argument(
         "--url",

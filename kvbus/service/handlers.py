@@ -229,13 +229,12 @@ class RouterHTTP:
         raw = body.data
         started = time.perf_counter()
         pd = self.pd if self.pd is not None and self.pd.active() else None
-        read, sent = (  # (as ids in one hop only: a prefill hop's body is its own)
-            await self.served.read(raw, tokenize, as_ids and pd is None)
+        as_ids = as_ids and pd is None and tokenize is not None  # (one hop: a prefill's is its own)
+        read, sent = (
+            await self.served.read(raw, tokenize, as_ids)
             if tokenize is not None
             else (LOAD_ONLY, None)
         )
-        if sent is not None:
-            self.metrics.prompts_as_ids.inc()
         if read is None:  # the engine explains what is wrong with it
             self.metrics.unrouted.inc()
             read = LOAD_ONLY
@@ -281,9 +280,16 @@ class RouterHTTP:
                     prefilled = await pd.prefill(request, body.data, read, decision, hop)
                     if prefilled.refused is not None:
                         return prefilled.refused
-                return await self.upstream.forward(
-                    request, body, decision, prefilled.body if prefilled else sent, hop or None
-                )
+                as_sent = prefilled.body if prefilled else None
+                # Asked for every completion (not only one with ids made): it starts the
+                # check of an engine not yet asked, or asked again after it was down.
+                agrees = as_ids and self.served.ids_for(decision.worker, len(read.tokens))
+                if agrees and sent is not None:
+                    as_sent = sent  # (its engine's /tokenize agrees with the router's)
+                answer = await self.upstream.forward(request, body, decision, as_sent, hop or None)
+                if as_sent is not None and as_sent is sent:
+                    self.metrics.prompts_as_ids.inc()
+                return answer
             except WorkerBusy:
                 tried.add(decision.worker)  # not its fault: it stays up for the others
                 busy = True
@@ -292,6 +298,7 @@ class RouterHTTP:
                 tried.add(decision.worker)
                 self.router.mark_down(decision.worker, self.upstream.down_for)
                 self.upstream.say_unreachable(decision.worker, str(error))
+                self.served.forget_ids(decision.worker)  # (it may come back another)
                 if prefilled is not None and prefilled.moved:
                     # It may have read the moved KV before it failed (the prefill
                     # worker then frees it): the next decode worker gets a new hop.

@@ -45,7 +45,8 @@ class Metrics:
         self.unrouted = counter("unrouted_requests", "Requests forwarded unread (invalid)", ())
         self.prompts_as_ids = counter(
             "prompts_sent_as_ids",
-            "Completions whose text prompt went to the engine as token ids (--send-token-ids)",
+            "Completions an engine answered with their text prompt sent as token ids "
+            "(--send-token-ids)",
             (),
         )
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())

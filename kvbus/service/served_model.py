@@ -18,8 +18,9 @@ from typing import Any, Final, NamedTuple
 import aiohttp
 
 from kvbus.logs import displayable, shown
-from kvbus.service.prompt_ids import check_engine, ids_body
+from kvbus.service.prompt_ids import Agreement, EngineChecks, check_engine, ids_body
 from kvbus.service.upstream import QUICK, SHOWN_ERROR, Upstream
+from kvbus.service.worker_names import RANK
 
 log = logging.getLogger("kvbus.routing.router")
 _INLINE_TOKENIZE_BYTES: Final = 16 * 1024
@@ -215,7 +216,7 @@ class ServedModel:
         upstream: Upstream,
         tokenizer_path: str | None,
         max_tokenize_bytes: int,
-        send_token_ids: bool = False,
+        send_token_ids: bool = True,
     ) -> None:
         self.workers = workers
         self.upstream = upstream
@@ -228,23 +229,42 @@ class ServedModel:
         self.models: set[str] = set()
         self.max_tokenize_bytes = max_tokenize_bytes
         self.send_token_ids = send_token_ids
-        self.ids_agreed = False
-        """``--send-token-ids`` and an engine's /tokenize agreed with the tokenizer."""
-        self.ids_checked: str | None = None
-        """How that check went (/health's ``token_ids``): None until it is done."""
-        self._max_model_len: int | None = None
+        self.checks: EngineChecks | None = None
+        """With ``--send-token-ids``, once the tokenizer is loaded: which engines'
+        /tokenize agreed with it."""
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="kvbus-tokenize")
 
     def close(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        if self.checks is not None:
+            self.checks.close()
+
+    @property
+    def ids_checked(self) -> str | None:
+        """How the engines' /tokenize checks went (/health's ``token_ids``): None until
+        one answered."""
+        return None if self.checks is None else self.checks.summary()
+
+    def ids_for(self, worker: str, tokens: int) -> bool:
+        """Whether ``worker`` may get a prompt of ``tokens`` ids as ids (no longer than
+        its engine's ``max_model_len``); its check starts where due."""
+        base = self.workers.get(RANK.sub("", worker))
+        return self.checks is not None and base is not None and self.checks.agrees(base, tokens)
+
+    def forget_ids(self, worker: str) -> None:
+        """``worker`` was unreachable: a restarted engine is checked again before ids."""
+        base = self.workers.get(RANK.sub("", worker))
+        if self.checks is not None and base is not None:
+            self.checks.forget(base)
 
     async def read(self, raw: bytes | bytearray, tokenize: Tokenize, as_ids: bool = False) -> Read:
         """The request's `Prompt` (no tokens: routed by load alone; None when the
         request cannot be read), and with ``as_ids`` (a completion) the body to send
-        instead, its prompt as token ids, where the engine may get it so."""
+        instead, its prompt as token ids, where an engine may get it so (which one may:
+        `ids_for`)."""
         if len(raw) > self.max_tokenize_bytes:
             return LOAD_ONLY, None
-        as_ids = as_ids and self.ids_agreed
+        as_ids = as_ids and self.checks is not None and self.checks.any_agree
         if len(raw) <= _INLINE_TOKENIZE_BYTES:
             return self._tokens(raw, tokenize, as_ids)
         loop = asyncio.get_running_loop()
@@ -277,7 +297,7 @@ class ServedModel:
                 if self.tokenizer is None and self.tokenizer_error is None:
                     await self._load_tokenizer(root, "model")
                 if self.send_token_ids and self.tokenizer is not None:
-                    await self._check_ids(session, name)
+                    self._start_checks(session, name)
                 return
             await asyncio.sleep(1)
 
@@ -299,43 +319,21 @@ class ServedModel:
             return
         log.info("tokenizer from %s", shown(path))
 
-    async def _check_ids(self, session: aiohttp.ClientSession, model: str) -> None:
-        """``--send-token-ids`` once an engine's /tokenize gives the tokenizer's ids for
-        the probe texts: the workers in turn, until one answers (five rounds, 2 s
-        apart; then prompts go as text until the router restarts)."""
+    def _start_checks(self, session: aiohttp.ClientSession, model: str) -> None:
+        """``--send-token-ids``: each engine gets ids once its /tokenize gives the
+        tokenizer's for the probe texts (`EngineChecks`); every known engine's check
+        starts now, a later one's with its first request."""
         tokenizer = self.tokenizer
         assert tokenizer is not None
         texts = [t for t in probe_texts(tokenizer.hf) if t.strip()]  # (vLLM: no empty prompt)
-        why = "no engine answered its /tokenize"
-        for _ in range(5):
-            for base in list(self.workers.values()):
-                try:
-                    async with self.upstream.quick_slots:
-                        said = await check_engine(
-                            session, base, model, tokenizer.encode, texts, QUICK
-                        )
-                except (aiohttp.ClientError, TimeoutError):
-                    continue
-                self.ids_agreed = said.why_not is None
-                self._max_model_len = said.max_model_len
-                self._say_ids(base, said.why_not or "")
-                return
-            await asyncio.sleep(2)
-        self._say_ids(None, why)
 
-    def _say_ids(self, base: str | None, why: str) -> None:
-        if self.ids_agreed:
-            self.ids_checked = "sent as token ids"
-            log.info("--send-token-ids: completions' prompts go to the engines as token ids")
-            return
-        where = f"the engine at {shown(base)}" if base else "the engines"
-        self.ids_checked = f"sent as text: {displayable(why, SHOWN_ERROR)}"
-        log.warning(
-            "--send-token-ids: prompts go as text, %s does not tokenize as the router's "
-            "tokenizer does: %s",
-            where,
-            displayable(why, SHOWN_ERROR),
-        )
+        async def check(base: str) -> Agreement:
+            async with self.upstream.quick_slots:
+                return await check_engine(session, base, model, tokenizer.encode, texts, QUICK)
+
+        self.checks = EngineChecks(check, self.workers.values)
+        for base in list(self.workers.values()):
+            self.checks.agrees(base)
 
     def _tokens(self, raw: bytes | bytearray, tokenize: Tokenize, as_ids: bool) -> Read:
         """The request's `Prompt` (None when it cannot be read) and, with ``as_ids``,
@@ -357,5 +355,6 @@ class ServedModel:
             [(salt,)] if isinstance(salt, str) and salt else None
         )  # vLLM refuses any other salt (400): then the key does not matter
         lora = model if model in self.loras else None
-        sent = ids_body(body, tokens, self._max_model_len) if as_ids and lora is None else None
+        # (each engine's max_model_len: at the forward, EngineChecks.agrees)
+        sent = ids_body(body, tokens, None) if as_ids and lora is None else None
         return Prompt(tokens, lora, extra), sent
