@@ -35,13 +35,13 @@ USAGE = {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 0}}
 def test_a_text_prompt_becomes_its_ids_and_every_other_field_keeps_its_value() -> None:
     raw = '{"model":"m","prompt":"w5 w6","temperature":NaN,"user":"café 🙂 \\ud83d","n":2}'
     body = json.loads(raw)
-    sent = ids_body(body, [5, 6], None)
+    sent = ids_body(body, [5, 6])
     assert sent is not None
     got = json.loads(sent)
     assert got.pop("prompt") == [5, 6]
     assert math.isnan(got.pop("temperature"))  # as the client sent it, not null
     assert got == {"model": "m", "user": "café 🙂 \ud83d", "n": 2}  # a lone surrogate too
-    assert json.loads(ids_body({"prompt": "w5"}, [5], 1) or b"") == {"prompt": [5]}
+    assert json.loads(ids_body({"prompt": "w5"}, [5]) or b"") == {"prompt": [5]}
 
 
 @pytest.mark.parametrize(
@@ -57,14 +57,12 @@ def test_a_text_prompt_becomes_its_ids_and_every_other_field_keeps_its_value() -
     ],
 )
 def test_a_prompt_the_answer_would_tell_apart_goes_as_sent(body: dict[str, Any]) -> None:
-    assert ids_body(body, [5, 6], None) is None
+    assert ids_body(body, [5, 6]) is None
 
 
-def test_no_ids_or_too_many_no_rewrite() -> None:
-    assert ids_body({"prompt": ""}, [], None) is None
-    # The engine's refusal of a prompt over its max_model_len words the count its way.
-    assert ids_body({"prompt": "w5 w6 w7"}, [5, 6, 7], 2) is None
-    assert ids_body({"prompt": "w5 w6", "echo": False}, [5, 6], 2) is not None
+def test_no_ids_no_rewrite_and_echo_false_is_not_echo() -> None:
+    assert ids_body({"prompt": ""}, []) is None
+    assert ids_body({"prompt": "w5 w6", "echo": False}, [5, 6]) is not None
 
 
 async def worker_tokenizing(
@@ -243,6 +241,10 @@ async def test_engine_checks_start_once_retry_late_and_recheck() -> None:
     await asyncio.sleep(0.01)
     assert not checks.any_agree and checks.summary() is None
     checks.close()
+    asked.clear()
+    assert not checks.agrees("a")  # closed: no check starts
+    await asyncio.sleep(0.01)
+    assert asked == []
 
 
 async def test_engine_checks_keep_only_the_routed_engines_and_show_no_password() -> None:
@@ -272,8 +274,10 @@ async def test_engine_checks_keep_only_the_routed_engines_and_show_no_password()
 async def test_an_engine_forgotten_is_checked_again_by_its_next_request(
     fleet: Fleet, tokenizer: Path
 ) -> None:
-    """One engine, forgotten (as when it was unreachable): no engine agrees any more,
-    yet its next completion starts its check, and the ones after go as ids again."""
+    """One engine found unreachable (a refused connection, or a stream it broke off:
+    both are said through `Upstream.say_unreachable`) is forgotten: no engine agrees
+    any more, yet its next completion starts its check, and the ones after go as ids
+    again."""
     seen: list[dict[str, Any]] = []
     await worker_tokenizing(fleet, tokenizer, seen)
     await fleet.run_router(tokenizer)
@@ -281,7 +285,7 @@ async def test_an_engine_forgotten_is_checked_again_by_its_next_request(
     assert fleet.app is not None
     body = {"model": "m", "prompt": "w5 w6 w7 w8", "max_tokens": 1}
     assert (await complete(fleet, body))[0] == 200
-    fleet.app.served.forget_ids("a/dp0")
+    fleet.app.upstream.say_unreachable("a/dp0", "its connection dropped")
     assert fleet.app.served.ids_checked is None
     for _ in range(100):
         assert (await complete(fleet, body))[0] == 200

@@ -180,6 +180,7 @@ class RouterApp:
         self.served = ServedModel(
             self.workers, self.upstream, tokenizer, max_tokenize_bytes, send_token_ids
         )
+        self.upstream.on_unreachable = self.served.forget_ids  # (checked again before ids)
         self.followers = BusFollowers(
             self.workers,
             router,

@@ -298,7 +298,6 @@ class RouterHTTP:
                 tried.add(decision.worker)
                 self.router.mark_down(decision.worker, self.upstream.down_for)
                 self.upstream.say_unreachable(decision.worker, str(error))
-                self.served.forget_ids(decision.worker)  # (it may come back another)
                 if prefilled is not None and prefilled.moved:
                     # It may have read the moved KV before it failed (the prefill
                     # worker then frees it): the next decode worker gets a new hop.

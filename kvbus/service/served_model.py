@@ -356,5 +356,5 @@ class ServedModel:
         )  # vLLM refuses any other salt (400): then the key does not matter
         lora = model if model in self.loras else None
         # (each engine's max_model_len: at the forward, EngineChecks.agrees)
-        sent = ids_body(body, tokens, None) if as_ids and lora is None else None
+        sent = ids_body(body, tokens) if as_ids and lora is None else None
         return Prompt(tokens, lora, extra), sent

@@ -138,6 +138,8 @@ class Upstream:
         self.answered: Answered | None = None
         """Told the start of every answer a worker gives (its first ``_HEAD`` bytes:
         a whole answer's, or a stream's first chunk's), with its status."""
+        self.on_unreachable: Callable[[str], None] | None = None
+        """Told each worker `say_unreachable` names (it may come back another engine)."""
         self._bases: dict[str, tuple[str, str | None, asyncio.Semaphore]] = {}
 
     def open(self) -> None:
@@ -167,6 +169,8 @@ class Upstream:
         failed a request, which went to another: marked down for ``down_for``. Named
         as configured (``--worker a=URL``): its ranks share the address."""
         name = RANK.sub("", worker)
+        if self.on_unreachable is not None:
+            self.on_unreachable(worker)
         _limited_log.warning(
             f"unreachable {name}",  # configured names only: a bounded set of kinds
             "worker %s (%s) unreachable: %s; retrying it in %gs",
