@@ -24,6 +24,8 @@ from kvbus.service.worker_names import RANK
 
 log = logging.getLogger("kvbus.routing.router")
 _INLINE_TOKENIZE_BYTES: Final = 16 * 1024
+_CHECK_CONNECTIONS: Final = 2
+"""Engines' /tokenize checks (``--send-token-ids``) under way at once."""
 """Bodies up to this size (~3,000 tokens, ~1.2 ms in the Rust backend) are tokenized on
 the event loop. On a thread the tokenizer releases the GIL and must take it back from
 the busy loop (up to its 5 ms switch interval): 1,800 tokens took 1.8 ms there against
@@ -327,8 +329,12 @@ class ServedModel:
         assert tokenizer is not None
         texts = [t for t in probe_texts(tokenizer.hf) if t.strip()]  # (vLLM: no empty prompt)
 
+        # Slots of their own, not the model lists' and load reads': an engine that takes
+        # connections and never answers holds one for QUICK's timeout every RETRY_SECONDS.
+        slots = asyncio.Semaphore(_CHECK_CONNECTIONS)
+
         async def check(base: str) -> Agreement:
-            async with self.upstream.quick_slots:
+            async with slots:
                 return await check_engine(session, base, model, tokenizer.encode, texts, QUICK)
 
         self.checks = EngineChecks(check, self.workers.values)

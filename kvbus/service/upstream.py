@@ -156,8 +156,9 @@ class Upstream:
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             connector=aiohttp.TCPConnector(
-                limit=0, limit_per_host=self.worker_connections + QUICK_CONNECTIONS + 1
-            ),  # + 1: a load read from its endpoint (`BusWatch`)
+                limit=0, limit_per_host=self.worker_connections + QUICK_CONNECTIONS + 2
+            ),  # + 2: a load read from its endpoint (`BusWatch`); its /tokenize check
+            # (`prompt_ids.EngineChecks`: one an engine at a time, in slots of their own)
         )
 
     async def close(self) -> None:
