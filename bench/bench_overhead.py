@@ -27,6 +27,7 @@ machine disturbs less than latency.
 
     python bench/bench_overhead.py [--repeats 5] [--requests 300] [--warmup 50]
         [--routers direct,kvbus,kvbus-asyncio,sglang-cache_aware,...] [--prompt-words 200]
+        [--unique-words N]
         [--stream-events N] [--json FILE]
 
 ``--stream-events N``: the streamed variant has N token events, 1 ms apart, each read
@@ -41,6 +42,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -61,9 +63,12 @@ MODEL = "m"
 PROMPT_WORDS = 200  # tokens (``--prompt-words``)
 
 
-def prompt(words: int) -> str:
-    """A prompt of ``words`` tokens of examples/cluster.py's word-level tokenizer."""
-    return " ".join(f"w{3 + i % 1000}" for i in range(words))
+def prompt(words: int, unique: int = 0, number: int = 0) -> str:
+    """A prompt of ``words`` tokens of examples/cluster.py's word-level tokenizer, its
+    last ``unique`` drawn for request ``number`` (the rest the same in every prompt)."""
+    own = random.Random(number)
+    shared = (f"w{3 + i % 1000}" for i in range(words - unique))
+    return " ".join([*shared, *(f"w{own.randrange(3, 1024)}" for _ in range(unique))])
 
 
 def variants(words: int) -> dict[str, dict[str, Any]]:
@@ -378,14 +383,15 @@ def targets(names: list[str], log_dir: Path, stream_events: int = 0) -> Iterator
         _stop_child(stub)
 
 
-def measure(target: Target, body: bytes, requests: int, warmup: int) -> tuple[list[float], float]:
-    """Each request's latency, and the target's CPU seconds per request."""
+def measure(target: Target, bodies: list[bytes], warmup: int) -> tuple[list[float], float]:
+    """Each request's latency past the first ``warmup`` of ``bodies``, and the target's
+    CPU seconds per request."""
     target.reconnect()  # opened in the warm-up, not in the timed requests
-    for _ in range(warmup):
+    for body in bodies[:warmup]:
         target.request(body)
     cpu = cpu_seconds(target.session)
-    latencies = [target.request(body) for _ in range(requests)]
-    return latencies, (cpu_seconds(target.session) - cpu) / requests
+    latencies = [target.request(body) for body in bodies[warmup:]]
+    return latencies, (cpu_seconds(target.session) - cpu) / len(latencies)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -397,15 +403,20 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
     """{variant: {router: {p50, p99, added_p50, added_p99, cpu_us}}} (ms; cpu: µs per
     request), medians over repeats."""
     samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    unique = min(args.unique_words, args.prompt_words)
     with (
         tempfile.TemporaryDirectory() as tmp,
         targets(args.routers, Path(tmp), args.stream_events) as started,
     ):
         for repeat in range(args.repeats):
-            for variant, request in variants(args.prompt_words).items():
-                body = json.dumps(request).encode()
+            for v, (variant, request) in enumerate(variants(args.prompt_words).items()):
+                first = (2 * repeat + v) * (args.warmup + args.requests)
+                bodies = [  # the same for every router
+                    json.dumps(request | {"prompt": prompt(args.prompt_words, unique, n)}).encode()
+                    for n in range(first, first + args.warmup + args.requests)
+                ]
                 for target in started:
-                    latencies, cpu = measure(target, body, args.requests, args.warmup)
+                    latencies, cpu = measure(target, bodies, args.warmup)
                     p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
                     samples.setdefault((variant, target.name), []).append((p50, p99, cpu))
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
@@ -442,6 +453,12 @@ def print_table(table: dict[str, dict[str, dict[str, float]]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--unique-words",
+        type=int,
+        default=0,
+        help="each request's last N tokens its own (default 0: every prompt the same)",
+    )
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--routers", type=lambda s: s.split(","), default=ROUTERS)

@@ -394,6 +394,23 @@ def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_pa
         status, _, echoed = post(f"{process.url}/v1/completions", echo)
         assert status == 200 and echoed["choices"][0]["text"].startswith(prompt)
         assert sent_as_ids() == 2
+        # Long prompts sharing a prefix (over 2,048 characters: tokenized in segments,
+        # kept once seen again): the engine still takes the ids it would have made.
+        prefix = words(22, 500)
+        for tail in ("w5 w6 w7", "w8 w9", "w10"):
+            long = {"model": str(cluster.model), "prompt": f"{prefix} {tail}", "max_tokens": 1}
+            long["return_token_ids"] = True
+            status, headers, routed = post(f"{process.url}/v1/completions", long)
+            assert status == 200, routed
+            base = cluster.workers[headers["x-kvbus-worker"].split("/")[0]]
+            _, _, direct = post(f"{base}/v1/completions", long)
+            ids = routed["choices"][0]["prompt_token_ids"]
+            assert ids == direct["choices"][0]["prompt_token_ids"] and len(ids) > 500
+        assert sent_as_ids() == 5
+        with urllib.request.urlopen(f"{process.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        kept = re.search(r'^kvbus_router_prompt_segments_total\{found="kept"\} (\S+)$', text, re.M)
+        assert kept is not None and float(kept.group(1)) >= 2  # the third's prefix
     finally:
         process.stop()
 

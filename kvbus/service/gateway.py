@@ -86,6 +86,7 @@ from kvbus.service.disagg import PrefillDecode, Role, WorkerRoles
 from kvbus.service.discovery import DEFAULT_HOSTS, AllowedHosts, WorkerDiscovery
 from kvbus.service.handlers import RouterHTTP, error_body
 from kvbus.service.router_metrics import UNREPORTED, Metrics, Unreported
+from kvbus.service.segment_tokens import CACHED_BYTES
 from kvbus.service.served_model import ServedModel, Tokenizer
 from kvbus.service.upstream import BodyBudget, Upstream
 from kvbus.service.upstream import cached_tokens as _cached_tokens
@@ -154,6 +155,7 @@ class RouterApp:
         roles: dict[str, Role] | None = None,
         skip_prefill_above: float = 0.9,
         send_token_ids: bool = True,
+        prompt_cache_bytes: int = CACHED_BYTES,
     ) -> None:
         self.workers = {name: base.rstrip("/") for name, base in workers.items()}
         self.router = router
@@ -178,7 +180,12 @@ class RouterApp:
             client_write_timeout=client_write_timeout,
         )
         self.served = ServedModel(
-            self.workers, self.upstream, tokenizer, max_tokenize_bytes, send_token_ids
+            self.workers,
+            self.upstream,
+            tokenizer,
+            max_tokenize_bytes,
+            send_token_ids,
+            prompt_cache_bytes,
         )
         self.upstream.on_unreachable = self.served.forget_ids  # (checked again before ids)
         self.followers = BusFollowers(
@@ -340,6 +347,13 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
+def _mib(text: str) -> float:
+    mib = float(text)
+    if not 0 <= mib <= 2**20:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be 0 to 1048576 MiB, not {text}")
+    return mib
+
+
 def _share(text: str) -> float:
     share = float(text)
     if not 0.0 <= share <= 1.0:
@@ -401,6 +415,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "/tokenize agrees with the router's tokenizer; where the answer could tell, as "
         "sent: README; default: on; --no-send-token-ids: every request as the client "
         "sent it)",
+    )
+    parser.add_argument(
+        "--prompt-cache-mib",
+        type=_mib,
+        default=CACHED_BYTES / 2**20,
+        metavar="MIB",
+        help="memory for segments of long prompts already tokenized, so that a prefix "
+        "they share (a system prompt, a conversation's earlier turns) is tokenized once "
+        "(where the tokenizer gives the same ids so: README; default: "
+        f"{CACHED_BYTES // 2**20}; 0: every prompt tokenized whole)",
     )
     parser.add_argument(
         "--url",
@@ -684,6 +708,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         roles=roles,
         skip_prefill_above=args.skip_prefill_above,
         send_token_ids=args.send_token_ids,
+        prompt_cache_bytes=int(args.prompt_cache_mib * 2**20),
     )
     app.http.session_header = args.session_header
     return app

@@ -329,6 +329,9 @@ class RouterHTTP:
         self.metrics.bus_up.set(int(self.followers.bus_up))
         self.metrics.unchained.set(self.router.index.unchained)
         self.metrics.peer_requests.set(self.router.peer_requests)
+        segments = self.served.tokenizer.segments if self.served.tokenizer else None
+        if segments is not None:
+            self.metrics.count_segments(segments.hits, segments.misses)
         return web.Response(
             body=prom.generate_latest(self.metrics.registry),
             headers={"Content-Type": prom.CONTENT_TYPE_LATEST},

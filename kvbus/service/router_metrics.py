@@ -49,6 +49,13 @@ class Metrics:
             "(--send-token-ids)",
             (),
         )
+        self.segments = counter(
+            "prompt_segments",
+            "Segments of long prompts, by found: kept (tokenized before, by an earlier "
+            "prompt that shares them) or tokenized",
+            ("found",),
+        )
+        self._segments_counted = (0, 0)
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
         self.shed = counter(
             "shed_requests",
@@ -180,6 +187,13 @@ class Metrics:
         self.peer_requests = gauge(
             "peer_requests", "Other replicas' requests in flight, counted here (--routes-stream)"
         )
+
+    def count_segments(self, kept: int, tokenized: int) -> None:
+        """The tokenizer's segment counts (`SegmentedEncoder`) so far, into the counter."""
+        before = self._segments_counted
+        self.segments.labels("kept").inc(max(0, kept - before[0]))
+        self.segments.labels("tokenized").inc(max(0, tokenized - before[1]))
+        self._segments_counted = (kept, tokenized)
 
     def observe_prediction(self, decision: Decision, reported: int | Unreported) -> None:
         labels = (decision.worker, decision.policy.value)
