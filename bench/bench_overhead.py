@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
     """{variant: {router: {p50, p99, added_p50, added_p99, cpu_us}}} (ms; cpu: µs per
     request), medians over repeats."""
     samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
-    unique = min(args.unique_words, args.prompt_words)
+    unique = args.prompt_words if args.unique_words is None else args.unique_words
     with (
         tempfile.TemporaryDirectory() as tmp,
         targets(args.routers, Path(tmp), args.stream_events) as started,
@@ -456,8 +456,8 @@ def main() -> None:
     parser.add_argument(
         "--unique-words",
         type=int,
-        default=0,
-        help="each request's last N tokens its own (default 0: every prompt the same)",
+        help="each request's last N tokens its own, the rest the same in every prompt "
+        "(default: --prompt-words, every prompt its own; 0: every prompt the same)",
     )
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
@@ -477,6 +477,8 @@ def main() -> None:
     parser.add_argument("--kvbus", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.unique_words is not None and not 0 <= args.unique_words <= args.prompt_words:
+        parser.error("--unique-words must be between 0 and --prompt-words")
     import uvloop
 
     if args.stub:

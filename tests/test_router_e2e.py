@@ -409,7 +409,9 @@ def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_pa
         assert sent_as_ids() == 5
         with urllib.request.urlopen(f"{process.url}/metrics", timeout=10) as response:
             text = response.read().decode()
-        kept = re.search(r'^kvbus_router_prompt_segments_total\{found="kept"\} (\S+)$', text, re.M)
+        kept = re.search(
+            r'^kvbus_router_prompt_segments_total\{source="cache"\} (\S+)$', text, re.M
+        )
         assert kept is not None and float(kept.group(1)) >= 2  # the third's prefix
     finally:
         process.stop()

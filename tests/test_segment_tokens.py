@@ -24,7 +24,13 @@ from cluster import make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbus.service.segment_tokens import SEGMENT_CHARS, SEGMENTED_FROM, SegmentedEncoder, cuts
+from kvbus.service.segment_tokens import (
+    SEGMENT_CHARS,
+    SEGMENTED_FROM,
+    SegmentedEncoder,
+    cuts,
+    words_stay_apart,
+)
 from kvbus.service.served_model import Tokenizer, _segmented
 
 from .test_gateway_limits import fleet as fleet  # the router's fixtures
@@ -234,12 +240,14 @@ def test_real_byte_level_vocabularies_fit_and_give_the_whole_texts_ids(
     rust = _tekken(
         {"tekken": None, "llama-3": _LLAMA_3_SPLIT, "gpt-2": _GPT_2_SPLIT}[split], tmp_path
     )
+    assert words_stay_apart(rust)
     assert SegmentedEncoder(_encoder(rust)).fits(["<s> w3"])
     assert _check_real_text(rust) == 0
 
 
 def test_a_real_sentencepiece_vocabulary_fits_and_gives_the_whole_texts_ids() -> None:
     rust = _sentencepiece(legacy=False)
+    assert words_stay_apart(rust)  # one pre-token (split=False), no piece over a space
     assert SegmentedEncoder(_encoder(rust)).fits(["<s> w3 </s>"])
     assert _check_real_text(rust) == 0
 
@@ -353,12 +361,94 @@ def test_a_shared_prefix_is_kept_once_seen_again_and_not_tokenized_after(
 
 def test_the_hashes_of_segments_seen_once_stay_bounded(word_level: Tokenizer) -> None:
     segments = SegmentedEncoder(_encoder(word_level.backend), every=16)
-    segments.SEEN = 1000  # type: ignore[misc]
+    segments.seen_limit = 1000
     rng = random.Random(5)
     for _ in range(100):
         text = " ".join(f"w{rng.randrange(3, 1024)}" for _ in range(400))
         segments.encode(text, False)
         assert len(segments._seen) <= 1000
+
+
+def test_segments_after_a_prompts_own_start_are_found_kept(word_level: Tokenizer) -> None:
+    """A shared document after a header of each request's own, as long as the others'
+    (a timestamp, an id: cuts are counted from the start, so a header of another length
+    would move them): the document's segments are kept and found, the headers, seen once
+    each, never kept."""
+    counting = _Counting(word_level.backend)
+    segments = SegmentedEncoder(counting, every=256)
+    rng = random.Random(6)
+    document = " ".join(f"w{rng.randrange(3, 1024)}" for _ in range(1500))
+    headers = [" ".join(f"w{rng.randrange(100, 1000)}" for _ in range(60)) for _ in range(4)]
+    for header in headers:
+        counting.asked.clear()
+        text = f"{header} {document}"
+        assert segments.encode(text, True) == _whole(word_level.backend, text, True)
+    assert max(map(len, counting.asked)) <= 256 + 8 + len(headers[-1])  # none whole
+    assert sum(map(len, counting.asked)) < 2 * (len(headers[-1]) + 256 + 8)
+    kept = {key if isinstance(key, str) else key[1] for key in segments._kept}
+    assert not any(header in segment for header in headers for segment in kept)
+
+
+def test_a_salted_prompt_shares_segments_only_with_its_salt(word_level: Tokenizer) -> None:
+    counting = _Counting(word_level.backend)
+    segments = SegmentedEncoder(counting, every=256)
+    text = " ".join(f"w{3 + i % 1000}" for i in range(900))
+    expected = _whole(word_level.backend, text, True)
+    for _ in range(2):  # seen, then kept: for salt "a" only
+        assert segments.encode(text, True, "a") == expected
+    counting.asked.clear()
+    assert segments.encode(text, True, "a") == expected
+    assert counting.asked == []
+    for salt in ("b", None):
+        assert segments.encode(text, True, salt) == expected
+        assert counting.asked == [text]  # not found: tokenized in one piece
+        counting.asked.clear()
+
+
+def _crossing(split: bool, across: bool) -> Any:
+    """A SentencePiece-style BPE (Metaspace, ``<s>`` first) with, where ``across``, one
+    piece that runs over a space ("▁of▁the")."""
+    from tokenizers import AddedToken, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789▁.,'")
+    vocab = {c: i for i, c in enumerate(["<unk>", "<s>", "</s>", *chars])}
+    merges = [("o", "f"), ("▁", "of"), ("t", "h"), ("th", "e"), ("▁", "the")]
+    merges += [("▁of", "▁the")] if across else []
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    rust = RustTokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    rust.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=split)
+    rust.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=rust, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+@pytest.mark.parametrize(("split", "across", "read_in_segments"), [
+    (False, True, False),  # one pre-token, a piece over a space: the ids would differ
+    (False, False, True),  # one pre-token, no piece over a space: as transformers' Llama
+    (True, True, True),  # the pre-tokenizer splits words apart: the piece never forms
+])  # fmt: skip
+def test_a_vocabulary_piece_over_a_space_keeps_the_text_whole_unless_words_are_split(
+    split: bool, across: bool, read_in_segments: bool
+) -> None:
+    hf = _crossing(split, across)
+    segments = _segmented(hf.backend_tokenizer, hf, 2**22)
+    assert (segments is not None) == read_in_segments
+    text = "x" * 1020 + "yz of the end " + "word " * 300  # a cut between "of" and " the"
+    assert (
+        SegmentedEncoder(_encoder(hf.backend_tokenizer))._in_segments(text, True, 1024)
+        == list(hf(text).input_ids)
+    ) == (not across or split)
+    if segments is not None:
+        for _ in range(3):
+            assert segments.encode(text, True) == list(hf(text).input_ids)
 
 
 def test_what_is_kept_stays_within_its_bytes_and_drops_the_least_recently_used(
@@ -373,7 +463,7 @@ def test_what_is_kept_stays_within_its_bytes_and_drops_the_least_recently_used(
         segments.encode(text, False)
         segments.encode(text, False)  # (kept from its second sighting)
         segments.encode(texts[0], False)  # the first text: used with every other one
-        assert segments._bytes <= budget
+        assert segments._bytes <= segments.kept_limit < budget
     assert len(segments._kept) < sum(len(cuts(t, 512)) + 1 for t in texts)
     counting.asked.clear()
     segments.encode(texts[0], False)
@@ -438,12 +528,12 @@ async def test_the_router_sends_the_whole_texts_ids_and_counts_the_segments(
         async with session.get(f"{fleet.router_url}/metrics") as response:
             text = await response.text()
     counts = {
-        line.split('found="')[1].split('"')[0]: float(line.split()[-1])
+        line.split('source="')[1].split('"')[0]: float(line.split()[-1])
         for line in text.splitlines()
         if line.startswith("kvbus_router_prompt_segments_total{")
     }
-    assert counts["kept"] >= len(prefix) // (SEGMENT_CHARS + 8) - 1  # the prefix's segments
-    assert counts["tokenized"] > 0
+    assert counts["cache"] >= len(prefix) // (SEGMENT_CHARS + 8) - 1  # the prefix's segments
+    assert counts["tokenizer"] > 0
 
 
 def test_the_command_line_sizes_the_kept_segments_and_0_turns_them_off() -> None:
@@ -457,9 +547,9 @@ def test_the_command_line_sizes_the_kept_segments_and_0_turns_them_off() -> None
         return parser.parse_args(["--worker", "w=http://127.0.0.1:1", *more])
 
     assert build(parsed()).served.prompt_cache_bytes == 8 * 2**20
-    assert build(parsed("--prompt-cache-mib", "0.5")).served.prompt_cache_bytes == 2**19
+    assert build(parsed("--prompt-cache-mib", "1.5")).served.prompt_cache_bytes == 3 * 2**19
     assert build(parsed("--prompt-cache-mib", "0")).served.prompt_cache_bytes == 0
-    for wrong in ("-1", "nan", "inf", "lots"):
+    for wrong in ("-1", "0.5", "nan", "inf", "lots"):
         with pytest.raises(SystemExit):
             parsed("--prompt-cache-mib", wrong)
 
@@ -479,3 +569,21 @@ async def test_with_no_memory_for_segments_every_prompt_is_tokenized_whole(
     assert status == 200, answer
     assert fleet.app.served.tokenizer.segments is None
     assert seen[0]["prompt"] == Tokenizer(str(tokenizer)).encode(prompt, True)
+
+
+def test_a_requests_cache_salt_keys_its_segments(word_level: Tokenizer) -> None:
+    """Through `Tokenizer`: a completion's and a chat's ``cache_salt`` (vLLM's: a string)."""
+    segments = word_level.segments
+    assert segments is not None
+    prompt = " ".join(f"w{3 + (7 * i) % 1000}" for i in range(900))
+    salted = {"prompt": prompt, "cache_salt": "tenant-a"}
+    for _ in range(2):
+        word_level.completion(salted)
+    found = segments.hits
+    assert word_level.completion(salted) == word_level.completion({"prompt": prompt})
+    assert segments.hits > found  # the salted ones, kept for its salt
+    assert any(isinstance(key, tuple) and key[0] == "tenant-a" for key in segments._kept)
+    chat = {"messages": [{"role": "user", "content": prompt}], "cache_salt": "tenant-b"}
+    word_level.chat(chat)
+    word_level.chat(chat)
+    assert any(isinstance(key, tuple) and key[0] == "tenant-b" for key in segments._kept)

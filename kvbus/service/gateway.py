@@ -349,8 +349,8 @@ def _positive_seconds(text: str) -> float:
 
 def _mib(text: str) -> float:
     mib = float(text)
-    if not 0 <= mib <= 2**20:  # (NaN too)
-        raise argparse.ArgumentTypeError(f"must be 0 to 1048576 MiB, not {text}")
+    if not (mib == 0 or 1 <= mib <= 2**20):  # (NaN too; under 1, every segment too large)
+        raise argparse.ArgumentTypeError(f"must be 0, or 1 to 1048576 MiB, not {text}")
     return mib
 
 

@@ -51,9 +51,9 @@ class Metrics:
         )
         self.segments = counter(
             "prompt_segments",
-            "Segments of long prompts, by found: kept (tokenized before, by an earlier "
-            "prompt that shares them) or tokenized",
-            ("found",),
+            "Segments of long prompts (--prompt-cache-mib), by source: cache (their ids "
+            "kept from earlier prompts that shared them) or tokenizer",
+            ("source",),
         )
         self._segments_counted = (0, 0)
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
@@ -191,8 +191,8 @@ class Metrics:
     def count_segments(self, kept: int, tokenized: int) -> None:
         """The tokenizer's segment counts (`SegmentedEncoder`) so far, into the counter."""
         before = self._segments_counted
-        self.segments.labels("kept").inc(max(0, kept - before[0]))
-        self.segments.labels("tokenized").inc(max(0, tokenized - before[1]))
+        self.segments.labels("cache").inc(max(0, kept - before[0]))
+        self.segments.labels("tokenizer").inc(max(0, tokenized - before[1]))
         self._segments_counted = (kept, tokenized)
 
     def observe_prediction(self, decision: Decision, reported: int | Unreported) -> None:

@@ -9,10 +9,12 @@ single space that follows an ASCII letter or digit and precedes an ASCII letter)
 the ids as they were: the ids of the text are the ids of its segments, one after
 another, with the special tokens (a BOS) around them. That holds for the common
 tokenizers (byte-level BPE with GPT-2's, Llama 3's or Qwen's split rules, Metaspace,
-BERT's, whitespace) and not for every one (a normalizer that prepends a mark to the
-whole text, an added token that swallows the spaces around it): `SegmentedEncoder.fits`
-checks the tokenizer on texts cut at every such place, with and without special tokens,
-and a tokenizer that gives other ids for any of them is never used in segments.
+BERT's, whitespace) and for one that keeps the text in one pre-token if no piece of its
+vocabulary runs over a space (`words_stay_apart`); not for every one (a normalizer that
+prepends a mark to the whole text, an added token that swallows the spaces around it):
+`SegmentedEncoder.fits` checks the tokenizer on texts cut at every such place, with and
+without special tokens, and a tokenizer that fails either check is never used in
+segments.
 
 Only segments seen twice are kept, in a few MiB: a prompt seen once costs one call of the
 tokenizer, as before, and what is kept stays small. Kept in tens of MiB, every segment of
@@ -32,8 +34,8 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final
 
 SEGMENT_CHARS: Final = 1024
 """Characters a segment has at least (a prompt's last has what is left): a prefix shared
@@ -67,20 +69,56 @@ def cuts(text: str, every: int) -> list[int]:
     return found
 
 
-def _size(segment: str, ids: array[int]) -> int:
-    return sys.getsizeof(segment) + sys.getsizeof(ids)
+_ACROSS: Final = re.compile(r"[A-Za-z0-9][ \u2581\u0120]")
+"""A vocabulary piece that runs from a word over the space after it (as " ", SentencePiece's
+"▁" or byte-level BPE's "Ġ"): "of▁", "of▁the"."""
+
+
+def words_stay_apart(backend: Any) -> bool:
+    """Whether ``backend`` (a `tokenizers.Tokenizer`) never puts the end of one word and
+    the space after it in one token, so a cut there leaves its ids as they were: its
+    pre-tokenizer splits "ab cd ef" into its three words (each with or without its space
+    or the mark that replaces it), or, where it does not (none, a Metaspace with
+    ``split=False`` as transformers converts SentencePiece models, a byte-level one
+    without its regex), no piece of its vocabulary runs over a space (`_ACROSS`).
+    Probes alone would find such a piece only by luck."""
+    pre = backend.pre_tokenizer
+    if pre is not None:
+        text = "ab cd ef"
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        words = [piece.strip(" \u2581\u0120") for piece, _ in pre.pre_tokenize_str(text)]
+        if words == ["ab", "cd", "ef"]:
+            return True
+    pieces: dict[str, int] = backend.get_vocab(with_added_tokens=False)
+    return not any(_ACROSS.search(piece) for piece in pieces)
+
+
+Key = str | tuple[str, str]
+"""A kept segment: its text, or with a ``cache_salt`` the salt and its text."""
+
+_ENTRY_BYTES: Final = 120
+"""What keeping one more segment costs besides its text and ids (the ordered dict's
+entry, the key's references)."""
+_SEEN_BYTES: Final = 64
+"""What remembering one segment's hash costs (the set's slot, the int)."""
+
+
+def _size(key: Key, ids: array[int]) -> int:
+    text = key if isinstance(key, str) else key[1]
+    return sys.getsizeof(text) + sys.getsizeof(ids) + _ENTRY_BYTES
 
 
 class SegmentedEncoder:
-    """``encode``'s ids for a long text from its segments' (`cuts`): the segments it
-    starts with that were kept are not tokenized again. A segment is kept from its second
-    sighting (a prompt seen once, as most are, costs one call of the tokenizer and is not
-    kept: ``SEEN`` hashes remember what was seen), while the segments kept take under
-    ``cached_bytes`` (least recently used dropped first). Safe to call from several
-    threads."""
-
-    SEEN: Final = 1 << 16
-    """Hashes of segments seen once, forgotten all at once past this many."""
+    """``encode``'s ids for a long text from its segments' (`cuts`): segments kept are
+    not tokenized again. A segment is kept from its second sighting (a prompt seen once,
+    as most are, costs one call of the tokenizer and is not kept: the hashes of segments
+    seen remember it), while what is kept takes under ``cached_bytes`` with those hashes
+    (least recently used dropped first; the hashes, an eighth of it, forgotten all at
+    once).
+    A prompt with a ``cache_salt`` shares segments only with prompts of the same salt
+    (as vLLM shares its blocks), so that how long it takes tells nothing of other
+    tenants' prompts. Safe to call from several threads."""
 
     def __init__(
         self,
@@ -92,7 +130,10 @@ class SegmentedEncoder:
         self._encode = encode
         self.every = every
         self.cached_bytes = cached_bytes
-        self._kept: OrderedDict[str, array[int]] = OrderedDict()
+        self.seen_limit = max(64, cached_bytes // 8 // _SEEN_BYTES)
+        """Hashes of segments seen, forgotten all at once past this many."""
+        self.kept_limit = cached_bytes - self.seen_limit * _SEEN_BYTES
+        self._kept: OrderedDict[Key, array[int]] = OrderedDict()
         self._bytes = 0
         self._seen: set[int] = set()
         self._lock = threading.Lock()
@@ -108,63 +149,71 @@ class SegmentedEncoder:
                 break
         """The special tokens the tokenizer puts before and after a text's own ids."""
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, salt: str | None = None) -> list[int]:
         """``text``'s ids as the tokenizer gives them for the whole text (where `fits`):
-        the segments kept it starts with, then those seen before (tokenized one by one and
-        kept), then the rest in one piece (its segments' hashes remembered)."""
+        each segment's kept ids, or its own call where it was seen before (then kept),
+        and the runs of segments between those in one call each (their hashes
+        remembered)."""
         bounds = [0, *cuts(text, self.every), len(text)]
         segments = [text[a:b] for a, b in itertools.pairwise(bounds)]
-        found: list[array[int]] = []
+        keys: list[Key] = [*segments] if salt is None else [(salt, s) for s in segments]
+        hashes = [hash(k) for k in keys]  # (outside the lock: a str caches its hash)
         with self._lock:
-            for segment in segments:
-                ids = self._kept.get(segment)
-                if ids is None:
-                    break
-                self._kept.move_to_end(segment)
-                found.append(ids)
-            rest = segments[len(found) :]
-            again = max((i + 1 for i, s in enumerate(rest) if hash(s) in self._seen), default=0)
-            if len(self._seen) + len(rest) > self.SEEN:
+            found = [self._kept.get(k) for k in keys]
+            again = [ids is None and h in self._seen for ids, h in zip(found, hashes, strict=True)]
+            for key, ids in zip(keys, found, strict=True):
+                if ids is not None:
+                    self._kept.move_to_end(key)
+            if len(self._seen) + len(keys) > self.seen_limit:
                 self._seen.clear()
-            self._seen.update(hash(s) for s in rest[again:])
-            self.hits += len(found)
-            self.misses += len(rest)
-        if again:
-            found += self._keep(rest[:again], self._encode(rest[:again], False))
+            self._seen.update(hashes)
+            self.hits += sum(ids is not None for ids in found)
+            self.misses += sum(ids is None for ids in found)
+        twice = [i for i, seen in enumerate(again) if seen]
+        if twice:
+            encoded = self._encode([segments[i] for i in twice], False)
+            fresh = iter(self._keep([keys[i] for i in twice], encoded))
+            found = [next(fresh) if seen else ids for ids, seen in zip(found, again, strict=True)]
         out = list(self._head) if add_special_tokens else []
-        for ids in found:
+        start = None  # of the run of segments not found nor seen before
+        for index, ids in enumerate([*found, array("I")]):
+            if ids is None:
+                start = index if start is None else start
+                continue
+            if start is not None:  # the run, in one call
+                out += self._encode([text[bounds[start] : bounds[index]]], False)[0]
+                start = None
             out += ids
-        if len(found) < len(segments):
-            out += self._encode([text[bounds[len(found)] :]], False)[0]
         if add_special_tokens:
             out += self._tail
         return out
 
-    def _keep(self, segments: list[str], encoded: list[list[int]]) -> Iterable[array[int]]:
+    def _keep(self, keys: list[Key], encoded: list[list[int]]) -> list[array[int]]:
         kept = [array("I", ids) for ids in encoded]
         with self._lock:
-            for segment, ids in zip(segments, kept, strict=True):
-                size = _size(segment, ids)
-                if segment in self._kept or size > self.cached_bytes // 16:
+            for key, ids in zip(keys, kept, strict=True):
+                size = _size(key, ids)
+                if key in self._kept or size > self.kept_limit // 16:
                     continue  # (another thread tokenized it meanwhile; or one huge)
-                self._kept[segment] = ids
+                self._kept[key] = ids
                 self._bytes += size
-            while self._bytes > self.cached_bytes and self._kept:
+            while self._bytes > self.kept_limit and self._kept:
                 self._bytes -= _size(*self._kept.popitem(last=False))
         return kept
 
-    def fits(self, probes: Iterable[str]) -> bool:
+    def fits(self, probes: Sequence[str]) -> bool:
         """Whether the tokenizer gives the same ids in segments as whole, with and without
         special tokens, for ``probes`` and for texts made of them and of words,
         punctuation, digits, spaces, accents, CJK and emoji, cut everywhere `cuts` may
         (every segment tokenized on its own, none kept)."""
+        rng = random.Random(0)
+        given = sorted({p for probe in probes for p in probe.split()})
         words = [
-            *(p for probe in probes for p in probe.split() if p),
+            *rng.sample(given, min(len(given), 64)),  # (some tokenizers add thousands)
             "the", "Hello", "don't", "it's", "w3", "w1023", "42", "3.14", "x1",
             "naïve", "café", "世界", "🙂", "--", "...", "a,b", "(yes)", "#", "\n", "\t",
             "  ", "\r\n", "Ünïcode", "\uff41\uff42\uff43", "ÅB", "İ", "ß", "e\u0301",
         ]  # fmt: skip
-        rng = random.Random(0)
         texts = list(probes)
         for _ in range(300):
             parts = [rng.choice(words) for _ in range(rng.randrange(1, 40))]

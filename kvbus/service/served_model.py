@@ -19,7 +19,12 @@ import aiohttp
 
 from kvbus.logs import displayable, shown
 from kvbus.service.prompt_ids import Agreement, EngineChecks, check_engine, ids_body
-from kvbus.service.segment_tokens import CACHED_BYTES, SEGMENTED_FROM, SegmentedEncoder
+from kvbus.service.segment_tokens import (
+    CACHED_BYTES,
+    SEGMENTED_FROM,
+    SegmentedEncoder,
+    words_stay_apart,
+)
 from kvbus.service.upstream import QUICK, SHOWN_ERROR, Upstream
 from kvbus.service.worker_names import RANK
 
@@ -82,7 +87,7 @@ class Tokenizer:
         atexit.unregister(gc.unfreeze)  # once, however many tokenizers load
         atexit.register(gc.unfreeze)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, salt: Any = None) -> list[int]:
         """``text``'s token ids, as ``hf(text, add_special_tokens=...)`` gives them (as
         vLLM's server tokenizes a prompt): straight from the Rust backend without the
         offsets and the Python objects transformers builds around them, 0.7 ms instead of
@@ -90,7 +95,8 @@ class Tokenizer:
         if self.backend is None:
             return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
         if self.segments is not None and len(text) >= SEGMENTED_FROM:
-            return self.segments.encode(text, add_special_tokens)
+            # A salted prompt's segments are its salt's alone (`SegmentedEncoder`).
+            return self.segments.encode(text, add_special_tokens, _salt(salt))
         ids: list[int] = _backend_ids(self.backend, text, add_special_tokens)
         return ids
 
@@ -103,7 +109,7 @@ class Tokenizer:
             if not all(0 <= t < _TOKEN_LIMIT for t in tokens):
                 raise ValueError("not token ids vLLM could have: it says why")
             return tokens
-        return self.encode(prompt, body.get("add_special_tokens", True))
+        return self.encode(prompt, body.get("add_special_tokens", True), body.get("cache_salt"))
 
     def chat(self, body: dict[str, Any]) -> list[int]:
         messages = [
@@ -129,7 +135,7 @@ class Tokenizer:
                 for m in given
                 if isinstance(m, dict) and m.get("type", "message") == "message"
             )
-        return self._templated(messages, {})
+        return self._templated(messages, {"cache_salt": body.get("cache_salt")})
 
     def anthropic(self, body: dict[str, Any]) -> list[int]:
         """An Anthropic ``/v1/messages`` request's prompt as vLLM converts it to a chat
@@ -151,7 +157,7 @@ class Tokenizer:
             for m in body["messages"]
             if isinstance(m, dict)
         )
-        return self._templated(messages, {})
+        return self._templated(messages, {"cache_salt": body.get("cache_salt")})
 
     def _templated(self, messages: list[Any], body: dict[str, Any]) -> list[int]:
         text = self.hf.apply_chat_template(
@@ -163,7 +169,7 @@ class Tokenizer:
             chat_template=body.get("chat_template"),
             **(body.get("chat_template_kwargs") or {}),
         )
-        return self.encode(text, body.get("add_special_tokens", False))
+        return self.encode(text, body.get("add_special_tokens", False), body.get("cache_salt"))
 
 
 def _backend_ids(backend: Any, text: str, add_special_tokens: bool) -> Any:
@@ -171,9 +177,10 @@ def _backend_ids(backend: Any, text: str, add_special_tokens: bool) -> Any:
 
 
 def _segmented(backend: Any, hf: Any, kept_bytes: int) -> SegmentedEncoder | None:
-    """A `SegmentedEncoder` of ``backend`` keeping ``kept_bytes``, where it `fits` (on
-    the probe texts too) and no added token takes the spaces beside it (``lstrip``,
-    ``rstrip``: a cut there would move a space out of it), else None."""
+    """A `SegmentedEncoder` of ``backend`` keeping ``kept_bytes``, where its words stay
+    apart (`words_stay_apart`), no added token takes the spaces beside it (``lstrip``,
+    ``rstrip``: a cut there would move a space out of it) and it `fits` (on the probe
+    texts too), else None (every prompt tokenized whole)."""
     if backend is None or kept_bytes <= 0:
         return None
 
@@ -182,17 +189,25 @@ def _segmented(backend: Any, hf: Any, kept_bytes: int) -> SegmentedEncoder | Non
         # (18 segments of 1,800 tokens: 929 µs against 532 whole, 658 one a call).
         return [_backend_ids(backend, text, special) for text in texts]
 
+    why = "its ids differ in segments"
     try:
         added = backend.get_added_tokens_decoder().values()
-        if any(t.lstrip or t.rstrip for t in added):
-            return None
-        segments = SegmentedEncoder(encode, cached_bytes=kept_bytes)
-        if segments.fits(probe_texts(hf)):
-            return segments
-    except Exception:  # (a tokenizer that refuses a probe: tokenized whole)
-        pass
-    log.info("tokenizing every prompt whole: this tokenizer's ids differ in segments")
+        if not words_stay_apart(backend):
+            why = "a piece of its vocabulary runs over a space"
+        elif any(t.lstrip or t.rstrip for t in added):
+            why = "an added token takes the spaces beside it"
+        else:
+            segments = SegmentedEncoder(encode, cached_bytes=kept_bytes)
+            if segments.fits(probe_texts(hf)):
+                return segments
+    except Exception as error:  # (a tokenizer that refuses a probe)
+        why = f"it failed on a probe ({type(error).__name__})"
+    log.info("tokenizing every prompt whole: %s", why)
     return None
+
+
+def _salt(salt: Any) -> str | None:
+    return salt if isinstance(salt, str) and salt else None  # (vLLM refuses any other)
 
 
 def probe_texts(hf: Any) -> list[str]:
