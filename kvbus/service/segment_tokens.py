@@ -129,7 +129,6 @@ class SegmentedEncoder:
     ) -> None:
         self._encode = encode
         self.every = every
-        self.cached_bytes = cached_bytes
         self.seen_limit = max(64, cached_bytes // 8 // _SEEN_BYTES)
         """Hashes of segments seen, forgotten all at once past this many."""
         self.kept_limit = cached_bytes - self.seen_limit * _SEEN_BYTES
@@ -174,19 +173,24 @@ class SegmentedEncoder:
             encoded = self._encode([segments[i] for i in twice], False)
             fresh = iter(self._keep([keys[i] for i in twice], encoded))
             found = [next(fresh) if seen else ids for ids, seen in zip(found, again, strict=True)]
-        out = list(self._head) if add_special_tokens else []
+        pieces: list[Sequence[int]] = []
         start = None  # of the run of segments not found nor seen before
         for index, ids in enumerate([*found, array("I")]):
             if ids is None:
                 start = index if start is None else start
                 continue
             if start is not None:  # the run, in one call
-                out += self._encode([text[bounds[start] : bounds[index]]], False)[0]
+                pieces += self._encode([text[bounds[start] : bounds[index]]], False)
                 start = None
+            pieces.append(ids)
+        return self._joined(pieces, add_special_tokens)
+
+    def _joined(self, pieces: Sequence[Sequence[int]], add_special_tokens: bool) -> list[int]:
+        """The pieces' ids one after another, with the special tokens around them."""
+        out = list(self._head) if add_special_tokens else []
+        for ids in pieces:
             out += ids
-        if add_special_tokens:
-            out += self._tail
-        return out
+        return out + self._tail if add_special_tokens else out
 
     def _keep(self, keys: list[Key], encoded: list[list[int]]) -> list[array[int]]:
         kept = [array("I", ids) for ids in encoded]
@@ -228,7 +232,5 @@ class SegmentedEncoder:
     def _in_segments(self, text: str, add_special_tokens: bool, every: int) -> list[int]:
         """``text``'s ids from every segment's own, none kept."""
         bounds = [0, *cuts(text, every), len(text)]
-        out = list(self._head) if add_special_tokens else []
-        for ids in self._encode([text[a:b] for a, b in itertools.pairwise(bounds)], False):
-            out += ids
-        return out + self._tail if add_special_tokens else out
+        segments = [text[a:b] for a, b in itertools.pairwise(bounds)]
+        return self._joined(self._encode(segments, False), add_special_tokens)

@@ -77,7 +77,7 @@ class Tokenizer:
         self.segments = _segmented(self.backend, self.hf, segments_bytes)
         """With ``segments_bytes`` (the router's ``--prompt-cache-mib``), where the
         backend gives the same ids in segments as whole: long texts tokenized in segments,
-        each kept in up to that many bytes (a shared prefix tokenized once). vLLM's
+        those seen again kept in up to that many bytes (a shared prefix tokenized once). vLLM's
         server, which `kvbus sim` mimics, tokenizes every text whole."""
         # transformers imported torch: ~400k objects that live as long as the process.
         # Out of the collector's sight, a full collection no longer walks them all
@@ -207,7 +207,9 @@ def _segmented(backend: Any, hf: Any, kept_bytes: int) -> SegmentedEncoder | Non
 
 
 def _salt(salt: Any) -> str | None:
-    return salt if isinstance(salt, str) and salt else None  # (vLLM refuses any other)
+    """A request's ``cache_salt`` as vLLM takes it (a non-empty string), else None: vLLM
+    refuses any other (400), so then the key does not matter."""
+    return salt if isinstance(salt, str) and salt else None
 
 
 def probe_texts(hf: Any) -> list[str]:
@@ -407,10 +409,8 @@ class ServedModel:
             tokens = tokenize(self.tokenizer, body)
         except Exception:
             return None, None  # the engine says what is wrong with it
-        salt = body.get("cache_salt")
-        extra: list[tuple[str] | None] | None = (
-            [(salt,)] if isinstance(salt, str) and salt else None
-        )  # vLLM refuses any other salt (400): then the key does not matter
+        salt = _salt(body.get("cache_salt"))
+        extra: list[tuple[str] | None] | None = [(salt,)] if salt is not None else None
         lora = model if model in self.loras else None
         # (each engine's max_model_len: at the forward, EngineChecks.agrees)
         sent = ids_body(body, tokens) if as_ids and lora is None else None
