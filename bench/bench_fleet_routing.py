@@ -42,9 +42,11 @@ offered request (a failed one counts as never answered: ``>T``); hit rate, cache
 prompt tokens from the engines' usage; the offline bound of the hit rate (the same
 arrivals served one at a time by one prefix cache as large as the fleet's, or by kvbus's
 policy with exact knowledge of every cache, whichever is higher; with a restart or a
-reset, the second alone, its engine's cache emptied at the same point; bench/mooncake.py);
-and the CPU: the busiest process's share of one core (the sim, a router, nats-server
-or this client; over ~70% it, not the routing, limits TTFT) and the machine's.
+reset, the second alone, its engine's cache emptied at the same point; bench/mooncake.py)
+over every arrival, and "of ok" over the requests the router served (past saturation a
+router that sheds serves a subset, and its hit rate is that subset's); and the CPU: the
+busiest process's share of one core (the sim, a router, nats-server or this client; over
+~70% it, not the routing, limits TTFT) and the machine's.
 
 Then, with kvbus ``kv`` beside a peer, kv against the best peer of each repetition and
 stage, request by request (bench/fleet_verdicts.py): the p90's difference and the central
@@ -269,10 +271,17 @@ async def run_router(
             async def one(i: int) -> None:
                 await asyncio.sleep(max(0.0, start + plan.arrivals[i].at / speedup - loop.time()))
                 request = Request(0, "/v1/completions", bodies[i])
-                with contextlib.suppress(Exception):
-                    results[i] = await asyncio.wait_for(
-                        send(session, bases[i % len(bases)], request, i), timeout / speedup
+                answer = Result(0, 0, "", -1)
+                try:
+                    await asyncio.wait_for(
+                        send(session, bases[i % len(bases)], request, i, answer),
+                        timeout / speedup,
                     )
+                except Exception:
+                    # Failed or timed out: status 0, but its first token's time kept
+                    # (the JSON's, to tell a late first token from a slow decode).
+                    answer.status = 0
+                results[i] = answer
 
             async def act(at: float, what: str, engine: int) -> None:
                 await asyncio.sleep(max(0.0, start + at / speedup - loop.time()))
@@ -387,7 +396,8 @@ class Figures:
     ttft_p50: float
     ttft_p90: float
     hit_rate: float
-    bound: float | None
+    bound: float | None  # over every arrival of the stage
+    bound_ok: float | None  # over the requests this router served: its hit rate's own base
 
 
 def figures(
@@ -401,10 +411,16 @@ def figures(
     seconds = max(end - start, 1e-9)
     good = sum(1 for r in ok if r.ttft * run.speedup <= slo)
     prompt = sum(r.prompt_tokens for r in ok)
-    bound_rate = None
+    bound_rate = bound_ok = None
     if bound is not None:
         total = sum(len(run.arrivals[i].tokens) for i in chosen)
         bound_rate = sum(bound[i] for i in chosen) / max(1, total)
+        # Past saturation a router that sheds serves a subset; its hit rate is of that
+        # subset, so the bound it is held to is the same subset's (still an upper bound:
+        # the bound assumes every earlier arrival was served and cached).
+        served = [i for i in chosen if run.results[i].status == 200 and run.results[i].ttft > 0]
+        tokens = sum(len(run.arrivals[i].tokens) for i in served)
+        bound_ok = sum(bound[i] for i in served) / max(1, tokens)
     return Figures(
         offered=len(results) / seconds,
         goodput=good / seconds,
@@ -414,6 +430,7 @@ def figures(
         ttft_p90=_quantile(ttfts, 0.9),
         hit_rate=sum(r.cached_tokens for r in ok) / max(1, prompt),
         bound=bound_rate,
+        bound_ok=bound_ok,
     )
 
 
@@ -463,7 +480,7 @@ def table(
     head = (
         f"{'stage':10} {'router':24} {'rep':>3} {'offered/s':>9} {'goodput/s':>9} "
         f"{'failed':>6} {'TTFT p50':>9} {'TTFT p90':>9} {'hit rate':>8} {'bound':>6} "
-        f"{'CPU max':>7} {'machine':>7}"
+        f"{'of ok':>6} {'CPU max':>7} {'machine':>7}"
     )
     lines = [head, "-" * len(head)]
     stages = plans[0].stages
@@ -486,6 +503,7 @@ def table(
                     f"{f.goodput:>9.1f} {f.failed:>6} {fmt_ms(f.ttft_p50, timeout):>9} "
                     f"{fmt_ms(f.ttft_p90, timeout):>9} {f.hit_rate:>8.3f} "
                     f"{'-' if f.bound is None else f'{f.bound:.3f}':>6} "
+                    f"{'-' if f.bound_ok is None else f'{f.bound_ok:.3f}':>6} "
                     f"{busiest[1]:>6.0%}{busiest[0][0]} {run.machine_cpu:>7.0%}"
                 )
         if index < len(stages) - 1:
@@ -798,7 +816,8 @@ async def run_fleet(
         if args.kvbus_shed:
             # The SLO, in the router's (wall) seconds: a request that would start later
             # counts for nothing, and only takes the engines' time from the others.
-            cluster.router_args += ["--shed-after", f"{args.slo / speedup:g}"]
+            limit = args.slo if args.kvbus_shed_after is None else args.kvbus_shed_after
+            cluster.router_args += ["--shed-after", f"{limit / speedup:g}"]
         for weight in args.kv_weight:
             cluster.router_args += ["--weight", weight]
         cluster.router_args += args.kv_arg
@@ -966,6 +985,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "counts as failed)",
     )  # fmt: skip
     parser.add_argument(
+        "--kvbus-shed-after", type=float, metavar="SECONDS",
+        help="kvbus's routers' --shed-after in simulated seconds instead of the --slo (past "
+        "saturation what they admit must leave its decode room within --timeout)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-weight", action="append", default=[], metavar="NAME=VALUE",
         help="a cost weight for kvbus's routers (their --weight; kvbus.routing.cost)",
     )  # fmt: skip
@@ -1036,8 +1060,9 @@ async def main() -> None:
                             x.prompt_tokens,
                             x.cached_tokens,
                             x.worker,
+                            None if bounds[r.repetition] is None else bounds[r.repetition][i],
                         ]
-                        for a, x in zip(r.arrivals, r.results, strict=True)
+                        for i, (a, x) in enumerate(zip(r.arrivals, r.results, strict=True))
                     ],
                 }
                 for r in runs

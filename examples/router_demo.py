@@ -119,17 +119,21 @@ def sim_engine(answer_id: object) -> str:
 
 
 async def send(
-    session: aiohttp.ClientSession, base: str, request: Request, number: int = 0
+    session: aiohttp.ClientSession,
+    base: str,
+    request: Request,
+    number: int = 0,
+    into: Result | None = None,
 ) -> Result:
+    """Send ``request`` and read its answer; ``into``: filled as the answer arrives, so a
+    caller that gives up on it still has its status and time to a first token."""
     started = time.perf_counter()
     headers = {"x-request-id": f"r{number}"}  # in the router's debug log
+    result = into if into is not None else Result(request.tenant, 0, "", -1)
     async with session.post(base + request.path, json=request.body, headers=headers) as response:
-        result = Result(
-            request.tenant,
-            response.status,
-            response.headers.get("x-kvbus-worker", ""),
-            int(response.headers.get("x-kvbus-predicted-cached-tokens", -1)),
-        )
+        result.status = response.status
+        result.worker = response.headers.get("x-kvbus-worker", "")
+        result.predicted = int(response.headers.get("x-kvbus-predicted-cached-tokens", -1))
         async for line in response.content:
             if not result.ttft:
                 result.ttft = time.perf_counter() - started

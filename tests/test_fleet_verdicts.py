@@ -388,3 +388,26 @@ def test_the_bench_runs_kv_beside_each_slower_peer_when_asked() -> None:
     assert bench.speedups(["round_robin"], bench.parse_args(["--kv-at-every-speedup"])) == {
         0.1: ["round_robin"]
     }
+
+
+def test_a_routers_hit_rate_is_held_to_the_bound_of_the_requests_it_served() -> None:
+    """Past saturation a router that sheds serves a subset: the bound over every arrival
+    counts what the shed requests would have found; ``bound_ok`` counts only those served."""
+    from bench import bench_fleet_routing as bench
+
+    Result = bench.Result
+    arrivals = [bench.Arrival(0.1 * i, [1] * 100, "s", "shared") for i in range(4)]
+    bound = [0, 80, 90, 40]  # cached tokens each could find at best
+    results = [
+        Result(0, 200, "w0", 0, prompt_tokens=100, cached_tokens=0, ttft=0.1),
+        Result(0, 503, "", 0),  # shed: the one with most to find
+        Result(0, 200, "w0", 0, prompt_tokens=100, cached_tokens=0, ttft=0.0),  # no token
+        Result(0, 200, "w1", 0, prompt_tokens=100, cached_tokens=40, ttft=0.2),
+    ]
+    run = bench.Run("b", "kv", 0, arrivals, results, 1.0, {}, 0.0)
+    f = bench.figures(run, ("s", 0.0, 1.0), 1.0, bound)
+    assert (f.requests, f.failed) == (4, 2)
+    assert f.hit_rate == pytest.approx(40 / 200)
+    assert f.bound == pytest.approx(210 / 400)
+    assert f.bound_ok == pytest.approx(40 / 200)
+    assert bench.figures(run, ("s", 0.0, 1.0), 1.0, None).bound_ok is None

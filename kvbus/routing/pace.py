@@ -36,14 +36,18 @@ to the median worker's): the decayed sums are a mean, and one or two first token
 second late (a hiccup: two vLLM CPU engines on a shared 2-core host stalled 0.6-1 s
 where 20 ms was usual) read a worker four times as slow from its first few, and sent a
 prompt it held elsewhere. A worker slow in most of its recent first tokens is slow.
-A worker reads *fast* only from ``min_fast`` observations: a fast reading draws
-traffic, and on a saturated fleet two first tokens that came quickly are as often a
-lull in its queue as speed (the Mooncake scenario (b) lost goodput when they could). A
-worker's observations are dropped ``stale_after`` seconds after its latest: a worker
-read slow draws little traffic, so nothing would read it again. Once settled, the fit
-and the paces are computed every ``settled_every`` observations (`SETTLED_EVERY`), not
-after each. Everything is from the caller's observations, reads and clock: the same
-observations and reads at the same times give the same paces.
+No worker reads *fast* (under 1) unless asked (``read_fast``), and then only from
+``min_fast`` observations: a fast reading draws traffic, and on a saturated fleet first
+tokens that came quickly are as often a lull in its queue, or a mix of prompts the fit
+prices high, as speed. The Mooncake scenario (b) lost goodput when two could read a
+worker fast; from eight, an engine of its uniform fleet still read 0.65 and drew four
+long prompts (638 blocks to compute) within half a second, then shed what came after
+them. A faster engine needs no reading: it empties its queue sooner, and the load terms
+send it more. A worker's observations are dropped ``stale_after`` seconds after its
+latest: a worker read slow draws little traffic, so nothing would read it again. Once
+settled, the fit and the paces are computed every ``settled_every`` observations
+(`SETTLED_EVERY`), not after each. Everything is from the caller's observations, reads
+and clock: the same observations and reads at the same times give the same paces.
 """
 
 from __future__ import annotations
@@ -91,7 +95,11 @@ class WorkerPace:
         settled_every: int = SETTLED_EVERY,
         stale_after: float = STALE_AFTER,
         clock: Callable[[], float] = time.monotonic,
+        read_fast: bool = False,
     ) -> None:
+        """``read_fast``: paces under 1 allowed (from ``min_fast`` observations); by
+        default a worker reads 1 or slower (see the module docstring)."""
+        self.read_fast = read_fast
         self.min_samples = min_samples
         self.min_fast = min_fast
         self.min_fit = min_fit
@@ -270,6 +278,8 @@ class WorkerPace:
             explained = (paces <= band) & (paces >= 1.0 / band)
         paces[explained] = 1.0
         paces[(paces < 1.0) & (self._count < self.min_fast)] = 1.0
+        if not self.read_fast:
+            paces = np.maximum(paces, 1.0)
         self.paces = np.clip(paces, 1.0 / self.limit, self.limit)
         held = self._count > 0
         self._expires = float(self._last[held].min()) + self.stale_after if held.any() else math.inf
