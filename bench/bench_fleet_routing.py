@@ -30,9 +30,11 @@ b. the Mooncake conversation trace (bench/mooncake.py): a share of the hour's
    conversations at their own arrival times, compressed to a mean rate, one stage per
    rate (``--trace-rates``: 150 req/s, and 300 past saturation).
 
-kvbus's routers run with ``--shed-after`` at the SLO (``--no-kvbus-shed``: without): past
-saturation they answer 503 at once to a request its worker would start too late. A
-request shed counts as failed. The peers have no limit on predicted wait.
+kvbus's routers run with ``--shed-after`` at the SLO (``--kvbus-shed-after``: another
+limit; ``--no-kvbus-shed``: none): past saturation they answer 503 at once to a request
+its worker would start too late. A request shed counts as failed. The peers have no
+limit on predicted wait. A request that times out keeps its time to a first token in
+the ``--json`` (status 0): past saturation most came in time, and the decode did not.
 
 Per run (router x repetition, per stage of a ladder), in simulated time (wall time x
 speedup: what the GPUs of the profile would see): offered requests/s; goodput, the
@@ -814,8 +816,9 @@ async def run_fleet(
             # it kvbus learns it from the engines' load records (LoadMetrics.block_size).
             cluster.router_args += ["--block-size", str(BLOCK)]
         if args.kvbus_shed:
-            # The SLO, in the router's (wall) seconds: a request that would start later
-            # counts for nothing, and only takes the engines' time from the others.
+            # The SLO (or --kvbus-shed-after), in the router's (wall) seconds: a request
+            # that would start later counts for nothing, and only takes the engines' time
+            # from the others.
             limit = args.slo if args.kvbus_shed_after is None else args.kvbus_shed_after
             cluster.router_args += ["--shed-after", f"{limit / speedup:g}"]
         for weight in args.kv_weight:
@@ -1002,6 +1005,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="kvbus's routers log every decision with its reason (with --logs; costs CPU)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.kvbus_shed_after is not None and not (
+        args.kvbus_shed and 0 < args.kvbus_shed_after < math.inf
+    ):
+        parser.error("--kvbus-shed-after takes a positive number of seconds, with --kvbus-shed")
     if args.speedup_for is None:
         args.speedup_for = [(name, args.speedup / 4) for name in PEERS if "vllm-router" in name]
     if args.quick:

@@ -396,18 +396,20 @@ def test_a_routers_hit_rate_is_held_to_the_bound_of_the_requests_it_served() -> 
     from bench import bench_fleet_routing as bench
 
     Result = bench.Result
-    arrivals = [bench.Arrival(0.1 * i, [1] * 100, "s", "shared") for i in range(4)]
-    bound = [0, 80, 90, 40]  # cached tokens each could find at best
+    arrivals = [bench.Arrival(0.1 * i, [1] * 100, "s", "shared") for i in range(5)]
+    bound = [0, 80, 90, 40, 70]  # cached tokens each could find at best
     results = [
         Result(0, 200, "w0", 0, prompt_tokens=100, cached_tokens=0, ttft=0.1),
         Result(0, 503, "", 0),  # shed: the one with most to find
         Result(0, 200, "w0", 0, prompt_tokens=100, cached_tokens=0, ttft=0.0),  # no token
         Result(0, 200, "w1", 0, prompt_tokens=100, cached_tokens=40, ttft=0.2),
+        Result(0, 0, "w1", 0, ttft=0.3),  # timed out after its first token: failed
     ]
     run = bench.Run("b", "kv", 0, arrivals, results, 1.0, {}, 0.0)
     f = bench.figures(run, ("s", 0.0, 1.0), 1.0, bound)
-    assert (f.requests, f.failed) == (4, 2)
+    assert (f.requests, f.failed) == (5, 3)
+    assert f.goodput == 2 and math.isinf(f.ttft_p90)
     assert f.hit_rate == pytest.approx(40 / 200)
-    assert f.bound == pytest.approx(210 / 400)
+    assert f.bound == pytest.approx(280 / 500)
     assert f.bound_ok == pytest.approx(40 / 200)
     assert bench.figures(run, ("s", 0.0, 1.0), 1.0, None).bound_ok is None

@@ -17,7 +17,8 @@ the fit's for the same observations (the overhead and prompt terms keep cache-hi
 requests from reading slow; the busy term keeps a worker that holds popular prefixes,
 and so decodes many requests, from reading slow for it). Its *pace* is its reading
 over the median worker's: a worker twice as slow as the rest reads 2 (one twice as
-fast, 0.5), and the cost model multiplies its cost by that. The lower median, not
+fast, 0.5, only with ``read_fast``: 1 by default), and the cost model multiplies its cost
+by that. The lower median, not
 the fastest: on a uniform fleet the fastest reading is the luckiest, and every other
 worker would read slow against it.
 
