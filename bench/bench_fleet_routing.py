@@ -273,17 +273,15 @@ async def run_router(
             async def one(i: int) -> None:
                 await asyncio.sleep(max(0.0, start + plan.arrivals[i].at / speedup - loop.time()))
                 request = Request(0, "/v1/completions", bodies[i])
-                answer = Result(0, 0, "", -1)
                 try:
                     await asyncio.wait_for(
-                        send(session, bases[i % len(bases)], request, i, answer),
+                        send(session, bases[i % len(bases)], request, i, results[i]),
                         timeout / speedup,
                     )
                 except Exception:
                     # Failed or timed out: status 0, but its first token's time kept
                     # (the JSON's, to tell a late first token from a slow decode).
-                    answer.status = 0
-                results[i] = answer
+                    results[i].status = 0
 
             async def act(at: float, what: str, engine: int) -> None:
                 await asyncio.sleep(max(0.0, start + at / speedup - loop.time()))
@@ -408,7 +406,8 @@ def figures(
     name, start, end = stage
     chosen = [i for i, a in enumerate(run.arrivals) if a.stage == name]
     results = [run.results[i] for i in chosen]
-    ok = [r for r in results if r.status == 200 and r.ttft > 0]
+    served = [i for i in chosen if run.results[i].status == 200 and run.results[i].ttft > 0]
+    ok = [run.results[i] for i in served]
     ttfts = sorted([r.ttft * run.speedup for r in ok] + [math.inf] * (len(results) - len(ok)))
     seconds = max(end - start, 1e-9)
     good = sum(1 for r in ok if r.ttft * run.speedup <= slo)
@@ -420,7 +419,6 @@ def figures(
         # Past saturation a router that sheds serves a subset; its hit rate is of that
         # subset, so the bound it is held to is the same subset's (still an upper bound:
         # the bound assumes every earlier arrival was served and cached).
-        served = [i for i in chosen if run.results[i].status == 200 and run.results[i].ttft > 0]
         tokens = sum(len(run.arrivals[i].tokens) for i in served)
         bound_ok = sum(bound[i] for i in served) / max(1, tokens)
     return Figures(

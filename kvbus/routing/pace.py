@@ -17,10 +17,9 @@ the fit's for the same observations (the overhead and prompt terms keep cache-hi
 requests from reading slow; the busy term keeps a worker that holds popular prefixes,
 and so decodes many requests, from reading slow for it). Its *pace* is its reading
 over the median worker's: a worker twice as slow as the rest reads 2 (one twice as
-fast, 0.5, only with ``read_fast``: 1 by default), and the cost model multiplies its cost
-by that. The lower median, not
-the fastest: on a uniform fleet the fastest reading is the luckiest, and every other
-worker would read slow against it.
+fast, 0.5, only with ``read_fast``: 1 by default), and the cost model multiplies its
+cost by that. The lower median, not the fastest: on a uniform fleet the fastest reading
+is the luckiest, and every other worker would read slow against it.
 
 Pace is 1 for a worker with fewer than ``min_samples`` observations or within a factor
 ``deadband`` of the median (noise must not move traffic on a uniform fleet), and
@@ -278,9 +277,8 @@ class WorkerPace:
             )
             explained = (paces <= band) & (paces >= 1.0 / band)
         paces[explained] = 1.0
-        paces[(paces < 1.0) & (self._count < self.min_fast)] = 1.0
-        if not self.read_fast:
-            paces = np.maximum(paces, 1.0)
+        min_fast = self.min_fast if self.read_fast else math.inf
+        paces[(paces < 1.0) & (self._count < min_fast)] = 1.0
         self.paces = np.clip(paces, 1.0 / self.limit, self.limit)
         held = self._count > 0
         self._expires = float(self._last[held].min()) + self.stale_after if held.any() else math.inf
