@@ -31,8 +31,10 @@ b. the Mooncake conversation trace (bench/mooncake.py): a share of the hour's
    rate (``--trace-rates``: 150 req/s, and 300 past saturation).
 
 kvbus's routers run with ``--shed-after`` at the SLO (``--kvbus-shed-after``: another
-limit; ``--no-kvbus-shed``: none): past saturation they answer 503 at once to a request
-its worker would start too late. A request shed counts as failed. The peers have no
+limit; ``--no-kvbus-shed``: none) and ``--deadline`` at the clients' ``--timeout``
+(``--no-kvbus-deadline``: none): past saturation they answer 503 at once to a request
+its worker would start too late, or finish too late for its client. A request shed
+counts as failed. The peers have no
 limit on predicted wait. A request that times out keeps its time to a first token in
 the ``--json`` (status 0): past saturation most came in time, and the decode did not.
 
@@ -819,6 +821,11 @@ async def run_fleet(
             # from the others.
             limit = args.slo if args.kvbus_shed_after is None else args.kvbus_shed_after
             cluster.router_args += ["--shed-after", f"{limit / speedup:g}"]
+        if args.kvbus_deadline:
+            # The clients' timeout, in the router's seconds: a request that would end
+            # later is lost, its decode too (past saturation most lost ones had their
+            # first token in time).
+            cluster.router_args += ["--deadline", f"{args.timeout / speedup:g}"]
         for weight in args.kv_weight:
             cluster.router_args += ["--weight", weight]
         cluster.router_args += args.kv_arg
@@ -991,6 +998,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "saturation what they admit must leave its decode room within --timeout)",
     )  # fmt: skip
     parser.add_argument(
+        "--kvbus-deadline", action=argparse.BooleanOptionalAction, default=True,
+        help="give kvbus's routers --deadline at the clients' --timeout (a request "
+        "predicted to end later is shed: it would time out anyway)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-weight", action="append", default=[], metavar="NAME=VALUE",
         help="a cost weight for kvbus's routers (their --weight; kvbus.routing.cost)",
     )  # fmt: skip
@@ -1007,6 +1019,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.kvbus_shed and 0 < args.kvbus_shed_after < math.inf
     ):
         parser.error("--kvbus-shed-after takes a positive number of seconds, with --kvbus-shed")
+    if not 0 < args.timeout < math.inf:
+        parser.error("--timeout takes a positive number of seconds")
     if args.speedup_for is None:
         args.speedup_for = [(name, args.speedup / 4) for name in PEERS if "vllm-router" in name]
     if args.quick:

@@ -76,6 +76,7 @@ class Fleet:
     ) -> None:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", generate)
+        app.router.add_post("/v1/chat/completions", generate)
         if tokenize is not None:
             app.router.add_post("/tokenize", tokenize)
         app.router.add_get("/v1/models", models)

@@ -194,33 +194,130 @@ async def test_a_wait_for_a_busy_workers_connection_is_not_its_fault(
     assert (await complete(fleet, PROMPT))[0] == 200
 
 
+async def a_worker_behind(
+    fleet: Fleet, tokenizer: Path
+) -> tuple[asyncio.Event, asyncio.Event, asyncio.Task[Any]]:
+    """Worker a (held until ``release``) and a router; a request routed there 0.5 s ago
+    that has not started (``arrived`` is set again when another comes): its worker
+    runs at least 0.5 s behind."""
+    release, arrived = asyncio.Event(), asyncio.Event()
+    await fleet.worker("a", await held_worker(release, arrived))
+    await fleet.run_router(tokenizer)
+    first = asyncio.create_task(complete(fleet, PROMPT))
+    await asyncio.wait_for(arrived.wait(), 30)
+    await asyncio.sleep(0.5)
+    arrived.clear()
+    return release, arrived, first
+
+
 async def test_a_request_the_worker_would_start_too_late_is_shed_at_once(
     fleet: Fleet, tokenizer: Path
 ) -> None:
     """--shed-after: a request whose worker should take longer than that to its first
     token (here: a request routed there 0.5 s ago has not started) is answered 503 at
     once, in vLLM's shape, and takes nothing from the worker; it stays eligible."""
-    release, arrived = asyncio.Event(), asyncio.Event()
-    await fleet.worker("a", await held_worker(release, arrived))
-    await fleet.run_router(tokenizer)
+    release, arrived, first = await a_worker_behind(fleet, tokenizer)
     assert fleet.app is not None
     fleet.app.router.shed_after = 0.3
-    first = asyncio.create_task(complete(fleet, PROMPT))
-    await asyncio.wait_for(arrived.wait(), 30)
-    await asyncio.sleep(0.5)
-    arrived.clear()
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{fleet.router_url}/v1/completions", json=PROMPT) as response:
             shed = (response.status, response.headers.get("Retry-After"), await response.json())
     assert shed[:2] == (503, "1")
     assert shed[2]["error"]["type"] == "ServiceUnavailableError"
     assert "--shed-after is 0.3 s" in shed[2]["error"]["message"]
-    assert counter(fleet, "shed") == 1 and not arrived.is_set()
+    assert counter(fleet, "shed", "first_token") == 1 and not arrived.is_set()
     assert "a/dp0" in fleet.app.router.eligible()
     release.set()
     assert (await first)[:3:2] == (200, "a/dp0")
     assert (await complete(fleet, PROMPT))[0] == 200  # nothing waits there now
-    assert counter(fleet, "shed") == 1
+    assert counter(fleet, "shed", "first_token") == 1
+
+
+async def test_a_request_past_the_routers_deadline_is_shed_unless_it_gives_its_own(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """--deadline: a request whose worker should end it later than that (here its first
+    token alone: a request routed there 0.5 s ago has not started) is answered 503 at
+    once; one whose X-Kvbus-Deadline gives it longer goes; a deadline that is not a
+    positive number of seconds is refused."""
+    release, arrived, first = await a_worker_behind(fleet, tokenizer)
+    assert fleet.app is not None
+    fleet.app.router.deadline = 0.3
+    url = f"{fleet.router_url}/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=PROMPT) as response:
+            shed = (response.status, await response.json())
+        for bad in ("soon", "-1", "0", "nan", "inf", "1e999"):
+            async with session.post(url, json=PROMPT, headers={"X-Kvbus-Deadline": bad}) as r:
+                refused = (r.status, (await r.json())["error"]["message"])
+            assert refused[0] == 400 and "X-Kvbus-Deadline" in refused[1]
+        assert not arrived.is_set()
+        given = asyncio.create_task(
+            session.post(url, json=PROMPT, headers={"X-Kvbus-Deadline": "30"})
+        )
+        await asyncio.wait_for(arrived.wait(), 30)  # it went to the worker
+        release.set()
+        async with await given as response:
+            assert response.status == 200
+    assert shed[0] == 503
+    assert "left of the router's --deadline of 0.3 s" in shed[1]["error"]["message"]
+    assert counter(fleet, "shed", "deadline") == 1
+    assert counter(fleet, "shed", "first_token") == 0
+    assert (await first)[:3:2] == (200, "a/dp0")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_workers_seconds_per_token_are_its_streams_steps_not_its_prefill(
+    fleet: Fleet, tokenizer: Path, path: str
+) -> None:
+    """The router times a worker's steps by the gaps between the chunks of its streams:
+    not the first gap (a chat's role can come before the prefill), not the usage and
+    [DONE] sent with the last token; the usage's output tokens make the mean output."""
+    steps = 0.05
+
+    async def streaming(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n')
+        await asyncio.sleep(2.0)  # the prefill, after the role
+        for token in range(5):
+            await stream.write(b'data: {"choices": [{"index": 0, "text": "w%d"}]}\n\n' % token)
+            await asyncio.sleep(steps)
+        usage = {**USAGE, "completion_tokens": 5}
+        await stream.write(b'data: {"choices": [], "usage": %s}\n\n' % json.dumps(usage).encode())
+        await stream.write(b"data: [DONE]\n\n")
+        return stream
+
+    await fleet.worker("a", streaming)
+    await fleet.run_router(tokenizer)
+    assert fleet.app is not None
+    router = fleet.app.router
+    body = {**PROMPT, "stream": True, "stream_options": {"include_usage": True}}
+    if path.endswith("chat/completions"):
+        body = {"model": PROMPT["model"], "messages": [{"role": "user", "content": "w5 w6"}]}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fleet.router_url}{path}", json=body) as response:
+            assert response.status == 200 and (await response.read()).endswith(b"[DONE]\n\n")
+    learned = router.seconds_per_token("a/dp0")
+    # Learned from the steps alone: the 2 s before the first token would read far more.
+    assert steps / 2 <= learned < 8 * steps
+    assert router.admission.decode_times.mean_output == 5
+    text = fleet.app.metrics.registry.get_sample_value(
+        "kvbus_router_seconds_per_output_token", {"worker": "a/dp0"}
+    )
+    assert text == learned
+    # Past a deadline under the usual output's steps, a completion that may run that
+    # long is shed; one for a single token, and a pass-through (no output), are not.
+    router.deadline = 3 * learned
+    async with aiohttp.ClientSession() as session:
+        unlimited = {"model": PROMPT["model"], "prompt": "w5 w6 w7 w8"}
+        async with session.post(f"{fleet.router_url}/v1/completions", json=unlimited) as response:
+            assert response.status == 503
+        async with session.get(f"{fleet.router_url}/echo/x") as response:
+            assert response.status == 200
+    assert counter(fleet, "shed", "deadline") == 1
 
 
 async def test_a_half_sent_second_request_on_a_keep_alive_connection_is_closed(

@@ -417,6 +417,49 @@ def test_prompts_sent_as_token_ids_get_vllms_own_answer(cluster: Cluster, tmp_pa
         process.stop()
 
 
+def test_a_request_that_would_end_past_its_deadline_is_shed(
+    cluster: Cluster, router: RouterProcess
+) -> None:
+    """The router learns each engine's seconds per output token from streamed answers
+    that carry usage (a real vLLM's); a request whose output at that pace would end past
+    its X-Kvbus-Deadline is answered 503 at once, and a shorter one goes."""
+    url = f"{router.url}/v1/completions"
+
+    def send(body: dict[str, Any], headers: dict[str, str]) -> tuple[int, bytes]:
+        data = json.dumps({"model": str(cluster.model), **body}).encode()
+        request = urllib.request.Request(url, data, {"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    stream = {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    status, answer = send({"prompt": words(300, 48), "max_tokens": 16, **stream}, {})
+    assert status == 200 and b'"completion_tokens":16' in answer.replace(b" ", b"")
+    text = urllib.request.urlopen(f"{router.url}/metrics", timeout=10).read().decode()
+    learned = [
+        float(m.group(1))
+        for m in re.finditer(r"^kvbus_router_seconds_per_output_token\{[^}]*\} (\S+)$", text, re.M)
+    ]
+    assert learned and min(learned) > 0
+    per_token = min(learned)  # the chosen engine's, or the median standing in: no less
+    deadline = max(2.0, 50 * per_token)
+    tokens = int(2 * deadline / per_token) + 2  # twice the deadline at the least pace
+    headers = {"X-Kvbus-Deadline": f"{deadline:.3f}"}
+    prompt = {"prompt": words(320, 48), "ignore_eos": True}
+    status, refused = send({**prompt, "max_tokens": tokens}, headers)
+    assert status == 503, refused
+    message = json.loads(refused)["error"]["message"]
+    assert "to the last token" in message and "left of the request's deadline" in message
+    status, answer = send({**prompt, "max_tokens": 2}, headers)
+    assert status == 200, answer
+    status, bad = send({**prompt, "max_tokens": 2}, {"X-Kvbus-Deadline": "soon"})
+    assert status == 400 and b"X-Kvbus-Deadline" in bad
+    text = urllib.request.urlopen(f"{router.url}/metrics", timeout=10).read().decode()
+    assert re.search(r'^kvbus_router_shed_requests_total\{limit="deadline"\} 1\.0$', text, re.M)
+
+
 def test_a_router_with_no_worker_routes_to_the_engines_the_bus_tells_of(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -28,6 +28,7 @@ import kvbus
 from kvbus import Kind
 from kvbus.routing.router import Router
 from kvbus.service.gateway import UNREPORTED, RouterApp, _cached_tokens, start
+from kvbus.service.upstream import output_in
 
 from .conftest import append_raw, envelope
 from .servers import NatsServer
@@ -270,6 +271,11 @@ def test_usage_is_read_as_vllm_sends_it_with_and_without_prompt_tokens_details()
     assert _cached_tokens(sse(STREAM_CHUNK), True) is None  # no usage asked for
     details = '{"cached_tokens":null,"created_cache_tokens":null,"multimodal_tokens":{"image":9}}'
     assert _cached_tokens((VLLM_COMPLETION % details).encode(), False) is UNREPORTED
+    # Forged figures answer "not read", never an error in the request's path.
+    forged = '{"usage": {"prompt_tokens_details": {"cached_tokens": Infinity}}}'
+    assert _cached_tokens(forged.encode(), False) is None
+    assert output_in({"completion_tokens": 7}) == 7 and output_in({"output_tokens": 3}) == 3
+    assert output_in({"completion_tokens": True}) is None and output_in(None) is None
 
 
 def outcomes(fleet: Fleet) -> dict[str, float]:

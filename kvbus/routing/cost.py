@@ -160,6 +160,10 @@ class Decision(msgspec.Struct, kw_only=True):
     predicted_ttft: float = math.nan
     """Seconds to its first token the worker should take (`kvbus.routing.pace`; NaN
     until the router has seen enough first tokens)."""
+    predicted_end: float = math.nan
+    """Seconds to its last token: ``predicted_ttft`` and its expected output at the
+    worker's recent seconds per token (`kvbus.routing.admission`); while either is not
+    known, a lower bound (``predicted_ttft`` alone: no output timed yet)."""
     ended: bool = False
     """The request ended (`kvbus.routing.in_flight.RequestsInFlight.finished`)."""
     prefilled_elsewhere: bool = False
@@ -167,8 +171,9 @@ class Decision(msgspec.Struct, kw_only=True):
     `Router.prefilled_elsewhere`): what the engine reports cached depends on its
     connector, so it is left out of the accuracy metrics."""
     shed: bool = False
-    """Not routed: ``predicted_ttft`` is over the router's ``shed_after`` (the request
-    is to be refused at once, 503; it took nothing on the worker)."""
+    """Not routed: ``predicted_ttft`` is over the router's ``shed_after``, or
+    ``predicted_end`` over the request's deadline (it is to be refused at once, 503; it
+    took nothing on the worker)."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""
@@ -182,8 +187,10 @@ class Decision(msgspec.Struct, kw_only=True):
             why += f" (prefill and load x pace {self.pace:.2f})"
         if not math.isnan(self.predicted_ttft):
             why += f"; first token in {self.predicted_ttft:.3f} s"
+        if not math.isnan(self.predicted_end):
+            why += f", last in {self.predicted_end:.3f} s"
         if self.shed:
-            why += " (over the router's limit: shed)"
+            why += " (over a limit: shed)"
 
         if self.runner_up is not None:
             why += f"; runner-up {self.runner_up} at {self.runner_up_cost:.2f}"

@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from kvbus.bus.subscription import Message, Resync, ResyncReason
+from kvbus.routing.admission import Admission
 from kvbus.routing.cost import CostModel, CostWeights, Decision, Policy
 from kvbus.routing.fleet_state import MAX_KV_CACHE_BLOCKS, FleetState
 from kvbus.routing.index import DEFAULT_MEDIUM_WEIGHTS, PrefixIndex
@@ -61,21 +62,19 @@ class Router:
         replica: str | None = None,
         peer_timeout: float = 600.0,
         shed_after: float | None = None,
+        deadline: float | None = None,
         session_slack: float = 64.0,
         session_ttl: float = 600.0,
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self.shed_after = shed_after
+        self.admission = Admission(shed_after, deadline)
+        """Which requests are shed (`kvbus.routing.admission`)."""
         self.session_slack = session_slack
         """Blocks of prefill: a session's request goes where its last one went unless
         that worker may not get traffic or costs more than this over the best worker
         (overloaded, or its cache lost the prefix); inf: wherever it may get traffic."""
         self.sessions = Sessions(session_ttl)
         """Where each session's requests went (this router's and its replicas')."""
-        """Seconds: a request whose worker should take longer than this to its first
-        token (`Decision.predicted_ttft`) is not routed but shed (`Decision.shed`): past
-        its client's timeout it would only take the engine's time from others. None:
-        never."""
         self.share = share
         """Called with each `RouteEvent` of this router's requests (replicas: publish
         them on the routes stream for the others' `apply_routes`)."""
@@ -108,6 +107,29 @@ class Router:
     @weights.setter
     def weights(self, weights: CostWeights) -> None:
         self.cost.weights = weights
+
+    @property
+    def shed_after(self) -> float | None:
+        """Seconds: a request whose worker should take longer than this to its first
+        token (`Decision.predicted_ttft`) is not routed but shed (`Decision.shed`): past
+        the TTFT SLO it would count for nothing and only take the engine's time from
+        others. None: never."""
+        return self.admission.shed_after
+
+    @shed_after.setter
+    def shed_after(self, seconds: float | None) -> None:
+        self.admission.shed_after = seconds
+
+    @property
+    def deadline(self) -> float | None:
+        """Seconds: a request whose worker should take longer than this to its last
+        token (`Decision.predicted_end`) is shed, unless it gave its own to `route`.
+        None: only by its own."""
+        return self.admission.deadline
+
+    @deadline.setter
+    def deadline(self, seconds: float | None) -> None:
+        self.admission.deadline = seconds
 
     @property
     def stale_after(self) -> float:
@@ -183,7 +205,9 @@ class Router:
         if isinstance(item, Resync):
             if item.reason is ResyncReason.NEW_EPOCH:  # restarted: maybe elsewhere
                 self.kv_seq.pop(item.source, None)
-                self.state.pace.forget(self.index.worker_number(item.source))
+                number = self.index.worker_number(item.source)
+                self.state.pace.forget(number)
+                self.admission.decode_times.forget(number)
                 self.state.cleared(item.source)
             return
         if item.kind == Kind.KV:  # its body left undecoded: the index read its payload
@@ -237,11 +261,17 @@ class Router:
         extra_keys: Sequence[Any] | None = None,
         exclude: Collection[str] = (),
         session: int = 0,
+        max_tokens: int | None = None,
+        ignores_eos: bool = False,
+        deadline: float | None = None,
     ) -> Decision | None:
         """The worker for a prompt (``None``: no worker may get traffic); a ``session``
         (`kvbus.routing.sessions.session_key`; 0: none) stays where it went (see
         ``session_slack``). Call `finished` with the decision when the request ends,
-        unless it is `Decision.shed` (see ``shed_after``): then it was not routed."""
+        unless it is `Decision.shed` (see ``shed_after`` and ``deadline``): then it was
+        not routed. ``max_tokens``: its output limit (None: not said), which it runs to
+        when ``ignores_eos``; ``deadline``: seconds left to its last token, over the
+        router's own ``deadline``."""
         now = self._clock()
         self._expire(now)
         keys = self.index.keys(token_ids, lora_name, extra_keys)
@@ -266,7 +296,11 @@ class Router:
             decision.number, decision.ahead_blocks, len(keys), decision.ahead_busy
         )
         decision.predicted_ttft = age if math.isnan(predicted) else max(predicted + late, age)
-        if self.shed_after is not None and decision.predicted_ttft > self.shed_after:
+        admission = self.admission
+        decision.predicted_end = admission.predicted_end(
+            decision.number, decision.predicted_ttft, max_tokens, ignores_eos, now
+        )
+        if admission.sheds(decision.predicted_ttft, decision.predicted_end, deadline):
             decision.shed = True  # nothing assigned: the worker never hears of it
             return decision
         self.state.assign(decision)
@@ -313,6 +347,24 @@ class Router:
             )
         self.state.started(decision)
         self._tell(decision, "started")
+
+    def stepped(self, decision: Decision, seconds: float) -> None:
+        """The stream answering ``decision`` brought a token ``seconds`` after the one
+        before (its worker's time per token, `deadline`)."""
+        number = decision.number
+        streams = self.state.requests.streaming(number)
+        self.admission.decode_times.step(number, seconds, self._clock(), streams)
+
+    def answered(self, tokens: int) -> None:
+        """An answer ended with ``tokens`` output tokens (the output `deadline` expects
+        of a request that may stop before its ``max_tokens``)."""
+        self.admission.decode_times.answered(tokens)
+
+    def seconds_per_token(self, worker: str) -> float:
+        """``worker``'s own seconds per output token after the first, from its streams'
+        recent steps (NaN: none lately; `deadline` then counts the fleet's median)."""
+        number = self.state.load_workers.get(worker, -1)
+        return self.admission.decode_times.own(number, self._clock())
 
     def _tell(self, decision: Decision, phase: str) -> None:
         if self.share is not None and decision.request and not decision.peer:

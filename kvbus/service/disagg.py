@@ -247,8 +247,11 @@ class PrefillDecode:
         prompt: Prompt,
         decode: Decision,
         headers: dict[str, str],
+        deadline: float | None = None,
     ) -> Prefilled:
-        """The prefill hop of a request whose decode goes to ``decode``'s worker."""
+        """The prefill hop of a request whose decode goes to ``decode``'s worker;
+        ``deadline``: the seconds left to its last token (its prefill worker is held to
+        them as to the first token)."""
         body = _json_object(data)
         if body is None:
             return self._skipped("unreadable", None)  # the engine says what is wrong
@@ -265,7 +268,15 @@ class PrefillDecode:
             # The roles of the workers that may get traffic now (one may have joined).
             tried = failed | self.roles.not_for(Role.PREFILL, self.router.eligible())
             tried.add(decode.worker)  # it would compute the prompt itself: no hop
-            chosen = self.router.route(*prompt, exclude=tried)
+            chosen = self.router.route(
+                prompt.tokens,
+                prompt.lora,
+                prompt.extra_keys,
+                exclude=tried,
+                max_tokens=1,
+                ignores_eos=True,
+                deadline=deadline,
+            )
             if chosen is None or chosen.shed:
                 return self._skipped("no_prefill_worker", body)
             try:

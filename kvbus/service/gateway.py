@@ -511,8 +511,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds: a request that the best worker should take longer than this to "
         "start (its predicted time to a first token, learned from the first tokens seen) "
         "is answered 503 with Retry-After at once, taking nothing from the engines; set "
-        "it to the clients' timeout, past which a request only takes the time of others "
+        "it to the TTFT SLO, past which a request only takes the time of others "
         "(default: never)",
+    )
+    limits.add_argument(
+        "--deadline",
+        type=_positive_seconds,
+        help="seconds: a request that the best worker should take longer than this to "
+        "finish (its predicted first token plus its expected output at the worker's "
+        "seconds per token, timed from the steps of its streams as they are relayed) is "
+        "answered 503 at once, like --shed-after; set it to the clients' timeout for a "
+        "whole answer. A request's X-Kvbus-Deadline header (seconds, from its arrival) is "
+        "its own instead (default: only those)",
     )
     limits.add_argument(
         "--pool-timeout",
@@ -682,6 +692,7 @@ def build(args: argparse.Namespace) -> RouterApp:
         stale_after=args.stale_after,
         seed=args.seed,
         shed_after=args.shed_after,
+        deadline=args.deadline,
         session_slack=args.session_slack,
         session_ttl=args.session_ttl,
     )

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import prometheus_client as prom
@@ -47,6 +48,22 @@ def error_body(
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     headers = None if retry_after is None else {"Retry-After": str(max(1, round(retry_after)))}
     return web.json_response(body, status=status, headers=headers)
+
+
+DEADLINE_HEADER: Final = "X-Kvbus-Deadline"
+"""A request's own deadline (seconds to its last token, from its arrival), over the
+router's ``--deadline``."""
+
+
+def request_deadline(value: str | None) -> float | None:
+    """A deadline header's seconds (None: none given); ValueError when it is not a
+    positive number of seconds."""
+    if value is None:
+        return None
+    seconds = float(value)  # (ValueError: not a number; its length is aiohttp's to bound)
+    if not 0 < seconds < math.inf:
+        raise ValueError(value)
+    return seconds
 
 
 def _busy(message: str) -> web.Response:
@@ -117,6 +134,29 @@ class RouterHTTP:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, lambda t, body: t.chat(body))
 
+    def _shed(self, decision: Decision, deadline: float | None, left: float | None) -> web.Response:
+        """The 503 of a request shed (`Decision.shed`), saying which limit it passed
+        (``deadline``: its own; ``left``: of that or the router's, what remained)."""
+        limit = self.router.shed_after
+        if limit is not None and decision.predicted_ttft > limit:
+            self.metrics.shed.labels("first_token").inc()
+            return _busy(
+                f"Every vLLM server is too busy: the best would take about "
+                f"{decision.predicted_ttft:.1f} s to a first token (the router's "
+                f"--shed-after is {limit:g} s)."
+            )
+        self.metrics.shed.labels("deadline").inc()
+        given = (
+            f"the request's deadline of {deadline:g} s"
+            if deadline is not None
+            else f"the router's --deadline of {self.router.deadline:g} s"
+        )
+        return _busy(
+            f"Every vLLM server is too busy: the best would take about "
+            f"{decision.predicted_end:.1f} s to the last token, and {left or 0.0:.1f} s "
+            f"are left of {given}."
+        )
+
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/responses``: by its prompt, or to the worker that made the response
         its ``previous_response_id`` names (that engine holds the conversation)."""
@@ -173,6 +213,13 @@ class RouterHTTP:
     async def _generate(
         self, request: web.Request, tokenize: Tokenize | None, as_ids: bool = False
     ) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        try:
+            deadline = request_deadline(request.headers.get(DEADLINE_HEADER))
+        except ValueError:
+            return error_body(
+                f"{DEADLINE_HEADER} must be a positive number of seconds.", "BadRequestError", 400
+            )
         body = RequestBody(self.bodies)
         try:
             refused = await self._receive(request, body)
@@ -185,7 +232,7 @@ class RouterHTTP:
                 # Its prompt continues a conversation only that engine holds: keyed by
                 # its new input alone it would count blocks the engine never stores.
                 tokenize = None
-            return await self._route(request, body, tokenize, home, as_ids)
+            return await self._route(request, body, tokenize, home, as_ids, arrived, deadline)
         finally:
             body.release()
 
@@ -222,10 +269,13 @@ class RouterHTTP:
         tokenize: Tokenize | None,
         home: str | None = None,
         as_ids: bool = False,
+        arrived: float = 0.0,
+        deadline: float | None = None,
     ) -> web.StreamResponse:
         """Route the request (by its prompt, as ``tokenize`` reads it; by load alone
         without one; to ``home`` alone while it may get traffic) and send it on (with
-        ``as_ids``, its prompt as the token ids where ``--send-token-ids`` may)."""
+        ``as_ids``, its prompt as the token ids where ``--send-token-ids`` may). It
+        arrived at ``arrived`` (`time.perf_counter`); ``deadline``: its own."""
         raw = body.data
         started = time.perf_counter()
         pd = self.pd if self.pd is not None and self.pd.active() else None
@@ -239,6 +289,9 @@ class RouterHTTP:
             self.metrics.unrouted.inc()
             read = LOAD_ONLY
         del raw  # only ``body`` holds it now: released once no retry can need it
+        limit = deadline if deadline is not None else self.router.deadline
+        # A pass-through (embeddings, /tokenize, ...) makes no output to time.
+        output = (read.max_tokens, read.ignores_eos) if tokenize is not None else (1, True)
         named = request.headers.get(self.session_header) if self.session_header else None
         session = session_key(named) if named else 0
         tried: set[str] = set()
@@ -253,7 +306,18 @@ class RouterHTTP:
         busy = False
         while True:
             exclude = tried if pd is None else tried | pd.decode_excluded()
-            decision = self.router.route(*read, exclude=exclude, session=session)
+            # From the request's arrival, not from now.
+            left = None if limit is None else limit - (time.perf_counter() - arrived)
+            decision = self.router.route(
+                read.tokens,
+                read.lora,
+                read.extra_keys,
+                exclude=exclude,
+                session=session,
+                max_tokens=output[0],
+                ignores_eos=output[1],
+                deadline=left,
+            )
             self.metrics.decision.observe(time.perf_counter() - started)
             if decision is None:
                 self.metrics.no_worker.inc()
@@ -267,17 +331,12 @@ class RouterHTTP:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             if decision.shed:
-                self.metrics.shed.inc()
-                return _busy(
-                    f"Every vLLM server is too busy: the best would take about "
-                    f"{decision.predicted_ttft:.1f} s to a first token (the router's "
-                    f"--shed-after is {self.router.shed_after:g} s)."
-                )
+                return self._shed(decision, deadline, left)
             if not tried and (decision.engine_load or not self.followers.bus_up):
                 self.metrics.degraded_routes.inc()
             try:
                 if pd is not None and prefilled is None:
-                    prefilled = await pd.prefill(request, body.data, read, decision, hop)
+                    prefilled = await pd.prefill(request, body.data, read, decision, hop, left)
                     if prefilled.refused is not None:
                         return prefilled.refused
                 as_sent = prefilled.body if prefilled else None

@@ -59,9 +59,18 @@ class Metrics:
         self.no_worker = counter("no_worker", "Requests answered 503: no worker alive", ())
         self.shed = counter(
             "shed_requests",
-            "Requests answered 503 at once: the best worker's predicted time to a first "
-            "token was over --shed-after",
-            (),
+            "Requests answered 503 at once, by limit: first_token (the best worker's "
+            "predicted time to a first token was over --shed-after) or deadline (its "
+            "predicted time to the last token was over --deadline or the request's own)",
+            ("limit",),
+        )
+        self.seconds_per_token = prom.Gauge(
+            "kvbus_router_seconds_per_output_token",
+            "Each worker's seconds per output token after the first, timed from the steps "
+            "of its completion and chat streams as they are relayed (recent ones weigh "
+            "most; what --deadline counts for the output)",
+            ("worker",),
+            registry=self.registry,
         )
         self.slow_clients = counter(
             "slow_clients",

@@ -18,6 +18,7 @@ from typing import Any, Final, NamedTuple
 import aiohttp
 
 from kvbus.logs import displayable, shown
+from kvbus.routing.admission import MAX_OUTPUT
 from kvbus.service.prompt_ids import Agreement, EngineChecks, check_engine, ids_body
 from kvbus.service.segment_tokens import (
     CACHED_BYTES,
@@ -59,9 +60,28 @@ class Prompt(NamedTuple):
     """vLLM's per-block extra keys beyond the LoRA's: a ``cache_salt`` goes into the
     first block's (`generate_block_hash_extra_keys`), so a salted prompt shares no
     block with the same prompt unsalted or salted otherwise."""
+    max_tokens: int | None = None
+    """Its output limit (None: not said; `read_max_tokens`)."""
+    ignores_eos: bool = False
+    """It runs to ``max_tokens`` (``ignore_eos``)."""
 
 
 LOAD_ONLY: Final = Prompt([])  # routed by load alone
+
+
+def read_max_tokens(body: dict[str, Any]) -> tuple[int | None, bool]:
+    """A request body's output limit (OpenAI's ``max_completion_tokens`` or
+    ``max_tokens``, the Responses API's ``max_output_tokens``; None: not said or not a
+    positive integer; at most `MAX_OUTPUT`) and whether it ignores EOS (vLLM's
+    ``ignore_eos``: it runs to its limit)."""
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None, False
+        return min(value, MAX_OUTPUT), body.get("ignore_eos") is True
+    return None, False
 
 
 class Tokenizer:
@@ -414,4 +434,4 @@ class ServedModel:
         lora = model if model in self.loras else None
         # (each engine's max_model_len: at the forward, EngineChecks.agrees)
         sent = ids_body(body, tokens) if as_ids and lora is None else None
-        return Prompt(tokens, lora, extra), sent
+        return Prompt(tokens, lora, extra, *read_max_tokens(body)), sent

@@ -16,10 +16,11 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
@@ -27,6 +28,7 @@ from yarl import URL
 
 from kvbus.config import redact_url
 from kvbus.logs import LimitedLog, displayable
+from kvbus.routing.admission import MIN_STEP
 from kvbus.routing.router import Decision, Router
 from kvbus.service.router_metrics import UNREPORTED, Metrics, Unreported
 from kvbus.service.stream_watch import StreamWatch
@@ -55,6 +57,13 @@ QUICK_CONNECTIONS: Final = 8
 """Model lists (``/v1/models``, discovery) in flight at once, all workers together: on
 connections of their own beside ``--worker-connections``, so a flood of them never makes
 a generation wait for a pooled connection."""
+_GENERATING: Final = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+)
+"""Paths whose answers' usage counts output (`Router.answered`)."""
+_STEPPED: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Paths whose streams time their worker's steps: one data event a step for each
+choice (the Responses and Anthropic APIs' streams send events before the prefill)."""
 MAX_HOP_ANSWER: Final = 2**20
 """Bytes of an answer the client does not see (P/D's prefill hop: one token's)."""
 SHOWN_ERROR: Final = 240
@@ -237,9 +246,17 @@ class Upstream:
         self.metrics.requests.labels(*labels, str(upstream.status)).inc()
         if upstream.status == 200:
             self.metrics.prompt_tokens.labels(*labels).inc(decision.prompt_tokens)
-            reported = cached_tokens(answer, streamed)
+            usage = usage_of(answer, streamed)
+            reported = cached_in(usage)
             if reported is not None and not decision.prefilled_elsewhere:
                 self.metrics.observe_prediction(decision, reported)
+            tokens = output_in(usage)
+            generated = request.method == "POST" and request.path in _GENERATING
+            if tokens is not None and generated:
+                self.router.answered(tokens)
+            learned = self.router.seconds_per_token(decision.worker)
+            if streamed and not math.isnan(learned):
+                self.metrics.seconds_per_token.labels(decision.worker).set(learned)
         return response
 
     async def exchange(
@@ -369,7 +386,8 @@ class Upstream:
     async def _relay_stream(
         self, request: web.Request, upstream: aiohttp.ClientResponse, decision: Decision
     ) -> tuple[web.StreamResponse, bytearray]:
-        """Pass a streamed response on chunk by chunk; returns its tail (the usage). A
+        """Pass a streamed response on chunk by chunk; returns its tail (the usage). The
+        gaps between a completion's chunks time its worker's steps (`_step`). A
         worker silent for --worker-timeout has stalled (not one still generating: tokens
         come every few milliseconds to seconds); a client that reads nothing for
         --client-write-timeout is dropped (`StreamWatch`)."""
@@ -384,6 +402,9 @@ class Upstream:
             lambda: self._stalled(decision),
         )
         tail = bytearray()
+        timed = request.path in _STEPPED
+        came = ready = 0.0  # when the latest chunk came, and when it was written
+        chunks = 0
         try:
             while True:
                 watch.reading()
@@ -401,10 +422,19 @@ class Upstream:
                     return response, bytearray()
                 if not chunk:
                     break
+                chunks += 1
                 if not tail:  # the first bytes: the engine is past this prompt's prefill
                     self.router.started(decision)
                     if self.answered is not None:
                         self.answered(request, decision, upstream.status, bytes(chunk[:_HEAD]))
+                if timed:
+                    now = time.perf_counter()
+                    # Not the first gap (a chat's role may come before its prefill), nor
+                    # one that came while the last was written (waiting since: the
+                    # gap is the client's reading, not the engine's step).
+                    if chunks > 2 and now - ready >= MIN_STEP:
+                        self._step(decision, now - came, chunk)
+                    came = now
                 watch.writing()
                 try:
                     await response.write(chunk)
@@ -416,10 +446,20 @@ class Upstream:
                     return response, bytearray()
                 tail += chunk
                 del tail[: max(0, len(tail) - _STREAM_TAIL)]  # usage rides on the last event
+                if timed:
+                    ready = time.perf_counter()
         finally:
             watch.close()
         await self._send(request, response.write_eof(), decision)
         return response, tail
+
+    def _step(self, decision: Decision, seconds: float, chunk: bytes) -> None:
+        """``chunk`` of ``decision``'s stream came ``seconds`` after the one before: that
+        long per event in it (several: steps the relay read at once)."""
+        if seconds < MIN_STEP:
+            return  # the same step's (its last token, then usage and [DONE])
+        events = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
+        self.router.stepped(decision, seconds / max(1, events))
 
 
 def _drop(request: web.Request) -> None:
@@ -471,23 +511,45 @@ class WorkerBusy(Exception):
     elsewhere; the worker is not at fault)."""
 
 
-def cached_tokens(body: bytes | bytearray, streamed: bool) -> int | Unreported | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a response (a stream's usage is
-    in its last data event, sent with ``stream_options.include_usage``); the Responses
-    API's ``input_tokens_details.cached_tokens`` (a stream's, in its
-    ``response.completed`` event), the Anthropic API's ``cache_read_input_tokens``;
-    `UNREPORTED`: usage without it; None: no usage."""
+def usage_of(body: bytes | bytearray, streamed: bool) -> dict[str, Any] | None:
+    """A response's ``usage`` (a stream's is in its last data event, sent with
+    ``stream_options.include_usage``; the Responses API's in its ``response.completed``
+    event); None: none."""
     if streamed:
         events = [line[6:] for line in body.splitlines() if line.startswith(b"data: {")]
         body = events[-1] if events else b""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
         answer = json.loads(body)
         usage = answer.get("usage") or (answer.get("response") or {}).get("usage")
-        if usage is None:
-            return None
+        return usage if isinstance(usage, dict) else None
+    return None
+
+
+def cached_tokens(body: bytes | bytearray, streamed: bool) -> int | Unreported | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a response (`usage_of`); the
+    Responses API's ``input_tokens_details.cached_tokens``, the Anthropic API's
+    ``cache_read_input_tokens``; `UNREPORTED`: usage without it; None: no usage."""
+    return cached_in(usage_of(body, streamed))
+
+
+def cached_in(usage: dict[str, Any] | None) -> int | Unreported | None:
+    """`cached_tokens` of a response's usage."""
+    if usage is None:
+        return None
+    # (OverflowError: json reads Infinity, and int() of it raises that.)
+    with contextlib.suppress(ValueError, TypeError, AttributeError, OverflowError):
         if usage.get("cache_read_input_tokens") is not None:
             return int(usage["cache_read_input_tokens"])
         details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
         cached = None if details is None else details.get("cached_tokens")
         return UNREPORTED if cached is None else int(cached)
     return None
+
+
+def output_in(usage: dict[str, Any] | None) -> int | None:
+    """Output tokens of a response's usage (``completion_tokens``; the Responses and
+    Anthropic APIs' ``output_tokens``); None: not said."""
+    if usage is None:
+        return None
+    tokens = usage.get("completion_tokens", usage.get("output_tokens"))
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
