@@ -169,9 +169,12 @@ class Admission:
             return decode if decode > 0 else math.nan
         return predicted_ttft if math.isnan(decode) else predicted_ttft + decode
 
-    def sheds(self, predicted_ttft: float, predicted_end: float, deadline: float | None) -> bool:
-        """Whether a request is refused (NaN predictions never are)."""
+    def sheds(
+        self, predicted_ttft: float, predicted_end: float, deadline: float | None
+    ) -> str | None:
+        """The limit a request passes, ``"first_token"`` or ``"deadline"`` (None: it is
+        admitted; NaN predictions always are)."""
         if self.shed_after is not None and predicted_ttft > self.shed_after:
-            return True
+            return "first_token"
         limit = self.deadline if deadline is None else deadline
-        return limit is not None and predicted_end > limit
+        return "deadline" if limit is not None and predicted_end > limit else None

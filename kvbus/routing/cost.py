@@ -174,6 +174,8 @@ class Decision(msgspec.Struct, kw_only=True):
     """Not routed: ``predicted_ttft`` is over the router's ``shed_after``, or
     ``predicted_end`` over the request's deadline (it is to be refused at once, 503; it
     took nothing on the worker)."""
+    shed_limit: str = ""
+    """Which limit shed it: ``first_token`` or ``deadline`` ("" : not shed)."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""

@@ -300,8 +300,9 @@ class Router:
         decision.predicted_end = admission.predicted_end(
             decision.number, decision.predicted_ttft, max_tokens, ignores_eos, now
         )
-        if admission.sheds(decision.predicted_ttft, decision.predicted_end, deadline):
-            decision.shed = True  # nothing assigned: the worker never hears of it
+        passed = admission.sheds(decision.predicted_ttft, decision.predicted_end, deadline)
+        if passed is not None:
+            decision.shed, decision.shed_limit = True, passed  # nothing assigned
             return decision
         self.state.assign(decision)
         if session:

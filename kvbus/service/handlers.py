@@ -137,15 +137,13 @@ class RouterHTTP:
     def _shed(self, decision: Decision, deadline: float | None, left: float | None) -> web.Response:
         """The 503 of a request shed (`Decision.shed`), saying which limit it passed
         (``deadline``: its own; ``left``: of that or the router's, what remained)."""
-        limit = self.router.shed_after
-        if limit is not None and decision.predicted_ttft > limit:
-            self.metrics.shed.labels("first_token").inc()
+        self.metrics.shed.labels(decision.shed_limit).inc()
+        if decision.shed_limit == "first_token":
             return _busy(
                 f"Every vLLM server is too busy: the best would take about "
                 f"{decision.predicted_ttft:.1f} s to a first token (the router's "
-                f"--shed-after is {limit:g} s)."
+                f"--shed-after is {self.router.shed_after:g} s)."
             )
-        self.metrics.shed.labels("deadline").inc()
         given = (
             f"the request's deadline of {deadline:g} s"
             if deadline is not None
@@ -291,7 +289,9 @@ class RouterHTTP:
         del raw  # only ``body`` holds it now: released once no retry can need it
         limit = deadline if deadline is not None else self.router.deadline
         # A pass-through (embeddings, /tokenize, ...) makes no output to time.
-        output = (read.max_tokens, read.ignores_eos) if tokenize is not None else (1, True)
+        max_tokens, ignores_eos = (
+            (read.max_tokens, read.ignores_eos) if tokenize is not None else (1, True)
+        )
         named = request.headers.get(self.session_header) if self.session_header else None
         session = session_key(named) if named else 0
         tried: set[str] = set()
@@ -314,8 +314,8 @@ class RouterHTTP:
                 read.extra_keys,
                 exclude=exclude,
                 session=session,
-                max_tokens=output[0],
-                ignores_eos=output[1],
+                max_tokens=max_tokens,
+                ignores_eos=ignores_eos,
                 deadline=left,
             )
             self.metrics.decision.observe(time.perf_counter() - started)

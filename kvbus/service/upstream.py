@@ -254,9 +254,10 @@ class Upstream:
             generated = request.method == "POST" and request.path in _GENERATING
             if tokens is not None and generated:
                 self.router.answered(tokens)
-            learned = self.router.seconds_per_token(decision.worker)
-            if streamed and not math.isnan(learned):
-                self.metrics.seconds_per_token.labels(decision.worker).set(learned)
+            if streamed:
+                learned = self.router.seconds_per_token(decision.worker)
+                if not math.isnan(learned):
+                    self.metrics.seconds_per_token.labels(decision.worker).set(learned)
         return response
 
     async def exchange(
@@ -430,8 +431,9 @@ class Upstream:
                 if timed:
                     now = time.perf_counter()
                     # Not the first gap (a chat's role may come before its prefill), nor
-                    # one that came while the last was written (waiting since: the
-                    # gap is the client's reading, not the engine's step).
+                    # one that came within MIN_STEP of the last one's write: the same
+                    # step's (its usage and [DONE]), or one that waited on the client's
+                    # reading, not on the engine's step.
                     if chunks > 2 and now - ready >= MIN_STEP:
                         self._step(decision, now - came, chunk)
                     came = now
@@ -456,8 +458,6 @@ class Upstream:
     def _step(self, decision: Decision, seconds: float, chunk: bytes) -> None:
         """``chunk`` of ``decision``'s stream came ``seconds`` after the one before: that
         long per event in it (several: steps the relay read at once)."""
-        if seconds < MIN_STEP:
-            return  # the same step's (its last token, then usage and [DONE])
         events = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
         self.router.stepped(decision, seconds / max(1, events))
 
