@@ -77,6 +77,7 @@ class Fleet:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", generate)
         app.router.add_post("/v1/chat/completions", generate)
+        app.router.add_post("/v1/responses", generate)
         if tokenize is not None:
             app.router.add_post("/tokenize", tokenize)
         app.router.add_get("/v1/models", models)

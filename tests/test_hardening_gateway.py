@@ -320,6 +320,53 @@ async def test_a_workers_seconds_per_token_are_its_streams_steps_not_its_prefill
     assert counter(fleet, "shed", "deadline") == 1
 
 
+async def test_a_responses_stream_starts_at_its_output_not_at_its_created_event(
+    fleet: Fleet, tokenizer: Path
+) -> None:
+    """vLLM's Responses API sends ``response.created`` and ``response.in_progress`` as it
+    accepts a request, before the prefill: the router used to count the request started
+    there (its prefill no longer queued, its first token timed at once)."""
+    output, stream_done = asyncio.Event(), asyncio.Event()
+
+    def event(kind: str) -> bytes:
+        return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps({"type": kind}).encode())
+
+    async def responding(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(event("response.created"))
+        await stream.write(event("response.in_progress"))
+        await output.wait()  # the prefill
+        began = event("response.output_item.added") + event("response.output_text.delta")
+        await stream.write(began)
+        await stream_done.wait()
+        await stream.write(event("response.completed"))
+        return stream
+
+    await fleet.worker("a", responding)
+    await fleet.run_router(tokenizer)
+    assert fleet.app is not None
+    state = fleet.app.router.state
+    number = state.load_workers["a/dp0"]
+    body = {"model": PROMPT["model"], "input": "w5 w6 w7 w8", "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fleet.router_url}/v1/responses", json=body) as response:
+            assert response.status == 200
+            assert b"response.created" in await response.content.readuntil(b"\n\n")
+            await asyncio.sleep(0.3)  # the in_progress event relayed too
+            assert state.requests.streaming(number) == 0  # its prefill still ahead
+            output.set()
+            await response.content.readuntil(b"response.output_text.delta")
+            for _ in range(100):
+                if state.requests.streaming(number):
+                    break
+                await asyncio.sleep(0.02)
+            assert state.requests.streaming(number) == 1  # started: past its prefill
+            stream_done.set()
+            assert (await response.read()).endswith(b"\n\n")
+
+
 async def test_a_half_sent_second_request_on_a_keep_alive_connection_is_closed(
     fleet: Fleet, tokenizer: Path
 ) -> None:

@@ -245,6 +245,25 @@ async def test_chat_streams_deltas_then_usage_then_done(sim: Sim) -> None:
     assert status == 200 and usage["prompt_tokens"] == counted["count"]
 
 
+async def test_a_chat_streams_first_chunk_comes_after_the_prefill_as_vllms_does(sim: Sim) -> None:
+    """vLLM sends a chat stream's role chunk with the first token, so a router timing
+    the first chunk (its ttft, its decode pace) sees the prefill in it; a role chunk
+    sent on accepting the request would read as a first token before any step ran."""
+    engine = sim.fleet.engines[0]
+    engine.core.timing = TimingModel(Profile(overhead=0, weight_read=0.3, prefill=0,
+                                             decode=0, context=0))  # fmt: skip
+    body = {"messages": [{"role": "user", "content": PREFIX}], "max_tokens": 2, "stream": True}
+    async with sim.session.post(sim.url(0, "/v1/chat/completions"), json=body) as response:
+        assert response.status == 200
+        first = await response.content.readline()
+        steps_at_first_chunk = engine.steps
+        rest = [line async for line in response.content]
+    chunk = json.loads(first.decode().removeprefix("data: "))
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert steps_at_first_chunk >= 1  # the prefill's step had run (each takes 0.3 s)
+    assert b"data: [DONE]\n" in rest  # and the answer still ends as vLLM's does
+
+
 async def test_n_choices_share_the_prompt_and_bad_requests_get_vllm_errors(sim: Sim) -> None:
     reply = await sim.complete(0, PREFIX, n=3)
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2]

@@ -406,6 +406,7 @@ class Upstream:
         timed = request.path in _STEPPED
         came = ready = 0.0  # when the latest chunk came, and when it was written
         chunks = 0
+        began = False
         try:
             while True:
                 watch.reading()
@@ -424,10 +425,11 @@ class Upstream:
                 if not chunk:
                     break
                 chunks += 1
-                if not tail:  # the first bytes: the engine is past this prompt's prefill
+                if not tail and self.answered is not None:  # the first bytes
+                    self.answered(request, decision, upstream.status, bytes(chunk[:_HEAD]))
+                if not began and _output_began(request.path, chunk):
+                    began = True  # the engine is past this prompt's prefill
                     self.router.started(decision)
-                    if self.answered is not None:
-                        self.answered(request, decision, upstream.status, bytes(chunk[:_HEAD]))
                 if timed:
                     now = time.perf_counter()
                     # Not the first gap (a chat's role may come before its prefill), nor
@@ -460,6 +462,21 @@ class Upstream:
         long per event in it (several: steps the relay read at once)."""
         events = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
         self.router.stepped(decision, seconds / max(1, events))
+
+
+_PREAMBLE: Final = (b"event: response.created\n", b"event: response.in_progress\n")
+
+
+def _output_began(path: str, chunk: bytes) -> bool:
+    """Whether ``chunk`` of a stream answering ``path`` shows its engine past the
+    prompt's prefill. A Responses API stream opens with `response.created` and
+    `response.in_progress`, sent on accepting the request (vLLM's
+    ``responses/serving.py``), before any step; every other stream's first bytes come
+    with its first token (a chat's role chunk too, as vLLM sends it)."""
+    if path != "/v1/responses":
+        return True
+    events = chunk.count(b"event:")
+    return events == 0 or events > sum(chunk.count(kind) for kind in _PREAMBLE)
 
 
 def _drop(request: web.Request) -> None:

@@ -343,12 +343,17 @@ class _Reply:
         texts = [_Detokenizer(self.api.text) for _ in self.streams]
         finished = [False] * len(self.streams)
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        if self.chat:
-            for index in range(len(self.streams)):
-                first = {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                await self._event(response, kind, index, first)
+        # vLLM sends a chat answer's role chunks with its first output, after the
+        # prefill, not on accepting the request: the time to the first chunk is the
+        # time to the first token, as routers and clients measure it.
+        roles_sent = not self.chat
         try:
             async for _ in self._updates():
+                if not roles_sent:
+                    roles_sent = True
+                    for index in range(len(self.streams)):
+                        role = {"delta": {"role": "assistant", "content": ""}}
+                        await self._event(response, kind, index, {**role, "finish_reason": None})
                 for index, stream in enumerate(self.streams):
                     fresh = texts[index].read < len(stream.tokens)
                     if finished[index] or not (fresh or stream.done):
