@@ -266,13 +266,18 @@ async def test_a_request_past_the_routers_deadline_is_shed_unless_it_gives_its_o
     assert (await first)[:3:2] == (200, "a/dp0")
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(
+    ("path", "choices"),
+    [("/v1/chat/completions", 1), ("/v1/completions", 1), ("/v1/completions", 2)],
+)
 async def test_a_workers_seconds_per_token_are_its_streams_steps_not_its_prefill(
-    fleet: Fleet, tokenizer: Path, path: str
+    fleet: Fleet, tokenizer: Path, path: str, choices: int
 ) -> None:
     """The router times a worker's steps by the gaps between the chunks of its streams:
     not the first gap (a chat's role can come before the prefill), not the usage and
-    [DONE] sent with the last token; the usage's output tokens make the mean output."""
+    [DONE] sent with the last token; the usage's output tokens make the mean output.
+    With ``n`` choices each step brings an event of each, and the usage counts all of
+    their tokens: a step is still one step, an answer's output its tokens a choice."""
     steps = 0.05
 
     async def streaming(request: web.Request) -> web.StreamResponse:
@@ -282,9 +287,14 @@ async def test_a_workers_seconds_per_token_are_its_streams_steps_not_its_prefill
         await stream.write(b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n')
         await asyncio.sleep(2.0)  # the prefill, after the role
         for token in range(5):
-            await stream.write(b'data: {"choices": [{"index": 0, "text": "w%d"}]}\n\n' % token)
-            await asyncio.sleep(steps)
-        usage = {**USAGE, "completion_tokens": 5}
+            await asyncio.sleep(steps if token else 0)  # the usage comes with the last
+            await stream.write(
+                b"".join(
+                    b'data: {"choices": [{"index": %d, "text": "w%d"}]}\n\n' % (index, token)
+                    for index in range(choices)
+                )
+            )
+        usage = {**USAGE, "completion_tokens": 5 * choices}
         await stream.write(b'data: {"choices": [], "usage": %s}\n\n' % json.dumps(usage).encode())
         await stream.write(b"data: [DONE]\n\n")
         return stream
@@ -293,7 +303,7 @@ async def test_a_workers_seconds_per_token_are_its_streams_steps_not_its_prefill
     await fleet.run_router(tokenizer)
     assert fleet.app is not None
     router = fleet.app.router
-    body = {**PROMPT, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**PROMPT, "stream": True, "stream_options": {"include_usage": True}, "n": choices}
     if path.endswith("chat/completions"):
         body = {"model": PROMPT["model"], "messages": [{"role": "user", "content": "w5 w6"}]}
         body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -301,8 +311,9 @@ async def test_a_workers_seconds_per_token_are_its_streams_steps_not_its_prefill
         async with session.post(f"{fleet.router_url}{path}", json=body) as response:
             assert response.status == 200 and (await response.read()).endswith(b"[DONE]\n\n")
     learned = router.seconds_per_token("a/dp0")
-    # Learned from the steps alone: the 2 s before the first token would read far more.
-    assert steps / 2 <= learned < 8 * steps
+    # Learned from the steps alone: the 2 s before the first token would read far more,
+    # and each step's events taken as steps (n of them) a fraction.
+    assert 0.75 * steps <= learned < 8 * steps
     assert router.admission.decode_times.mean_output == 5
     text = fleet.app.metrics.registry.get_sample_value(
         "kvbus_router_seconds_per_output_token", {"worker": "a/dp0"}

@@ -89,8 +89,9 @@ class DecodeTimes:
         self._per_token[number] = seconds
         self._last[number] = now
 
-    def answered(self, tokens: int) -> None:
-        """An answer ended with ``tokens`` output tokens (its usage's)."""
+    def answered(self, tokens: float) -> None:
+        """An answer ended with ``tokens`` output tokens (its usage's, over its
+        choices)."""
         if tokens < 1:
             return
         tokens = min(tokens, MAX_OUTPUT)

@@ -176,6 +176,9 @@ class Decision(msgspec.Struct, kw_only=True):
     took nothing on the worker)."""
     shed_limit: str = ""
     """Which limit shed it: ``first_token`` or ``deadline`` ("" : not shed)."""
+    choices: int = 1
+    """The answers the request asks for (its ``n``): each step of its worker brings a
+    token of each, so a stream's events are that many a step."""
 
     def explain(self) -> str:
         """One line: the pick, its terms and the runner-up."""

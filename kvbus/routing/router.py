@@ -356,9 +356,9 @@ class Router:
         streams = self.state.requests.streaming(number)
         self.admission.decode_times.step(number, seconds, self._clock(), streams)
 
-    def answered(self, tokens: int) -> None:
-        """An answer ended with ``tokens`` output tokens (the output `deadline` expects
-        of a request that may stop before its ``max_tokens``)."""
+    def answered(self, tokens: float) -> None:
+        """An answer ended with ``tokens`` output tokens a choice (the output
+        `deadline` expects of a request that may stop before its ``max_tokens``)."""
         self.admission.decode_times.answered(tokens)
 
     def seconds_per_token(self, worker: str) -> float:

@@ -332,6 +332,7 @@ class RouterHTTP:
                 log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             if decision.shed:
                 return self._shed(decision, deadline, left)
+            decision.choices = read.choices
             if not tried and (decision.engine_load or not self.followers.bus_up):
                 self.metrics.degraded_routes.inc()
             try:

@@ -64,6 +64,8 @@ class Prompt(NamedTuple):
     """Its output limit (None: not said; `read_max_tokens`)."""
     ignores_eos: bool = False
     """It runs to ``max_tokens`` (``ignore_eos``)."""
+    choices: int = 1
+    """The answers it asks for (``n``; `read_choices`)."""
 
 
 LOAD_ONLY: Final = Prompt([])  # routed by load alone
@@ -82,6 +84,21 @@ def read_max_tokens(body: dict[str, Any]) -> tuple[int | None, bool]:
             return None, False
         return min(value, MAX_OUTPUT), body.get("ignore_eos") is True
     return None, False
+
+
+MAX_CHOICES: Final = 1024
+"""The most choices (``n``) a request's answer is counted to carry; an engine refuses
+more long before (vLLM's server caps ``n`` by the sampler's limits)."""
+
+
+def read_choices(body: dict[str, Any]) -> int:
+    """How many answers a request asks for (OpenAI's ``n``; 1 when not said or not a
+    positive integer, at most `MAX_CHOICES`): each step of its engine brings a token of
+    each, and its usage counts all of their tokens."""
+    value = body.get("n")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return 1
+    return min(value, MAX_CHOICES)
 
 
 class Tokenizer:
@@ -434,4 +451,4 @@ class ServedModel:
         lora = model if model in self.loras else None
         # (each engine's max_model_len: at the forward, EngineChecks.agrees)
         sent = ids_body(body, tokens) if as_ids and lora is None else None
-        return Prompt(tokens, lora, extra, *read_max_tokens(body)), sent
+        return Prompt(tokens, lora, extra, *read_max_tokens(body), read_choices(body)), sent

@@ -253,7 +253,7 @@ class Upstream:
             tokens = output_in(usage)
             generated = request.method == "POST" and request.path in _GENERATING
             if tokens is not None and generated:
-                self.router.answered(tokens)
+                self.router.answered(tokens / decision.choices)  # (usage counts them all)
             if streamed:
                 learned = self.router.seconds_per_token(decision.worker)
                 if not math.isnan(learned):
@@ -459,9 +459,14 @@ class Upstream:
 
     def _step(self, decision: Decision, seconds: float, chunk: bytes) -> None:
         """``chunk`` of ``decision``'s stream came ``seconds`` after the one before: that
-        long per event in it (several: steps the relay read at once)."""
+        long per step in it (several: steps the relay read at once; a step brings an
+        event for each of the request's choices). Not counted: ``[DONE]`` and the usage
+        event (no choices), which vLLM sends with the last token; a chunk of nothing else
+        is no step."""
         events = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
-        self.router.stepped(decision, seconds / max(1, events))
+        events -= chunk.count(b'"choices":[]') + chunk.count(b'"choices": []')
+        if events > 0:
+            self.router.stepped(decision, seconds / max(1.0, events / decision.choices))
 
 
 _PREAMBLE: Final = (b"event: response.created\n", b"event: response.in_progress\n")
