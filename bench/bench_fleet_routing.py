@@ -48,7 +48,10 @@ arrivals served one at a time by one prefix cache as large as the fleet's, or by
 policy with exact knowledge of every cache, whichever is higher; with a restart or a
 reset, the second alone, its engine's cache emptied at the same point; bench/mooncake.py)
 over every arrival, and "of ok" over the requests the router served (past saturation a
-router that sheds serves a subset, and its hit rate is that subset's); and the CPU: the
+router that sheds serves a subset, and its hit rate is that subset's), placed offline with
+only the arrivals the router admitted (a shed turn of a conversation is cached nowhere,
+so its next turn finds less in any placement; it is the bound of every arrival for a
+router that shed nothing); and the CPU: the
 busiest process's share of one core (the sim, a router, nats-server or this client; over
 ~70% it, not the routing, limits TTFT) and the machine's.
 
@@ -207,6 +210,9 @@ class Run:
     router_metrics: dict[str, float] = field(default_factory=dict)
     engine_prompt_tokens: list[float] = field(default_factory=list)
     """Prompt tokens each engine was asked (its prefix-cache queries) during the run."""
+    admitted_bound: list[int] | None = None
+    """For a run that shed requests (503): per arrival, its cached tokens in the offline
+    placement of the arrivals it admitted alone (a shed one is 0), `offline_bound`."""
 
     @property
     def busiest(self) -> float:
@@ -419,10 +425,12 @@ def figures(
         total = sum(len(run.arrivals[i].tokens) for i in chosen)
         bound_rate = sum(bound[i] for i in chosen) / max(1, total)
         # Past saturation a router that sheds serves a subset; its hit rate is of that
-        # subset, so the bound it is held to is the same subset's (still an upper bound:
-        # the bound assumes every earlier arrival was served and cached).
+        # subset, so the bound it is held to is the same subset's, placed offline with
+        # only what it admitted: a shed turn of a conversation is cached nowhere, and
+        # the bound of every arrival would count it cached for the next turn.
         tokens = sum(len(run.arrivals[i].tokens) for i in served)
-        bound_ok = sum(bound[i] for i in served) / max(1, tokens)
+        placed = bound if run.admitted_bound is None else run.admitted_bound
+        bound_ok = sum(placed[i] for i in served) / max(1, tokens)
     return Figures(
         offered=len(results) / seconds,
         goodput=good / seconds,
@@ -443,30 +451,39 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def offline_bound(
-    plan: Plan, engines: int, blocks: int, max_requests: int = 4000
+    plan: Plan,
+    engines: int,
+    blocks: int,
+    max_requests: int = 4000,
+    admitted: list[bool] | None = None,
 ) -> list[int] | None:
     """Per arrival, its cached tokens in the better of two offline placements (one cache
     as large as the fleet's; kvbus's policy knowing every cache exactly), one request at
     a time; None for plans too long to simulate here. A plan's restarts and resets
     empty the same engine's cache at the same point of the arrivals; one shared cache
-    has no engine to empty, so such a plan is bounded by the second placement alone."""
+    has no engine to empty, so such a plan is bounded by the second placement alone.
+    ``admitted``: only the arrivals it marks are placed (each with the same output as in
+    the whole plan); the others count 0."""
     if len(plan.arrivals) > max_requests:
         return None
     rng = random.Random(0)
-    prompts = Prompts(
-        BLOCK,
-        [(a.tokens, [rng.choice(VOCAB) for _ in range(plan.output_tokens)]) for a in plan.arrivals],
-    )
+    outputs = [[rng.choice(VOCAB) for _ in range(plan.output_tokens)] for _ in plan.arrivals]
+    kept = [i for i in range(len(plan.arrivals)) if admitted is None or admitted[i]]
+    arrivals = [plan.arrivals[i] for i in kept]
+    prompts = Prompts(BLOCK, [(plan.arrivals[i].tokens, outputs[i]) for i in kept])
     clears: dict[int, list[int]] = {}
     for at, _, engine in plan.actions:
-        first = next((i for i, a in enumerate(plan.arrivals) if a.at >= at), None)
+        first = next((i for i, a in enumerate(arrivals) if a.at >= at), None)
         if first is not None:
             clears.setdefault(first, []).append(engine)
-    policy = simulated_cached(Router(block_size=BLOCK), prompts, engines, blocks, clears)
-    if clears:
-        return policy
-    pooled = pooled_cached(prompts, engines * blocks)
-    return pooled if sum(pooled) >= sum(policy) else policy
+    cached = simulated_cached(Router(block_size=BLOCK), prompts, engines, blocks, clears)
+    if not clears:
+        pooled = pooled_cached(prompts, engines * blocks)
+        cached = pooled if sum(pooled) >= sum(cached) else cached
+    placed = [0] * len(plan.arrivals)
+    for i, tokens in zip(kept, cached, strict=True):
+        placed[i] = tokens
+    return placed
 
 
 def fmt_ms(seconds: float, timeout: float) -> str:
@@ -784,6 +801,13 @@ async def run_scenario(
         runs += await run_fleet(scenario, routers, plans, speedup, args)
     started = time.monotonic()
     bounds = {r: offline_bound(p, scenario.engines, scenario.blocks) for r, p in plans.items()}
+    for run in runs:
+        admitted = [result.status != 503 for result in run.results]
+        if bounds[run.repetition] is not None and not all(admitted):
+            plan = plans[run.repetition]
+            run.admitted_bound = offline_bound(
+                plan, scenario.engines, scenario.blocks, admitted=admitted
+            )
     say(f"  offline bounds in {time.monotonic() - started:.0f} s")
     return runs, plans, bounds
 

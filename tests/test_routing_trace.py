@@ -72,3 +72,22 @@ def test_a_cleared_engine_costs_the_offline_placement_its_cache() -> None:
     engine.clear()
     assert engine.take_events() == [AllBlocksCleared()]
     assert engine.cached_prefix([*prefix, 9]) == 0
+
+
+def test_the_bound_of_what_a_shedding_router_admitted_leaves_out_what_it_shed() -> None:
+    """A conversation's second turn finds its first cached in the bound of every arrival;
+    placed with only what a router admitted, a shed first turn is cached nowhere, and
+    what was not shed keeps its bound."""
+    from bench.bench_fleet_routing import Arrival, Plan, offline_bound
+
+    first = list(range(4, 4 + 8 * 32))
+    other = list(range(5000, 5000 + 4 * 32))
+    plan = Plan(
+        [Arrival(0.0, first), Arrival(0.1, [*first, *range(900, 964)]), Arrival(0.2, other),
+         Arrival(0.3, [*other, 7])],
+        [("run", 0.0, 1.0)],
+    )  # fmt: skip
+    whole = offline_bound(plan, 2, 64)
+    assert whole is not None and whole[1] >= len(first) and whole[3] == len(other)
+    admitted = offline_bound(plan, 2, 64, admitted=[False, True, True, True])
+    assert admitted == [0, 0, 0, whole[3]]
