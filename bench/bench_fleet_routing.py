@@ -1104,6 +1104,8 @@ async def main() -> None:
                             x.cached_tokens,
                             x.worker,
                             None if bounds[r.repetition] is None else bounds[r.repetition][i],
+                            # the bound of what the run admitted, where it shed any
+                            None if r.admitted_bound is None else r.admitted_bound[i],
                         ]
                         for i, (a, x) in enumerate(zip(r.arrivals, r.results, strict=True))
                     ],

@@ -386,8 +386,9 @@ def _bursts(requests: list[list[Any]]) -> list[int]:
 
 def _stage_ttfts(requests: list[list[Any]], stage: str) -> list[float]:
     """Each of the stage's requests' TTFT (simulated seconds), ``inf`` where it failed;
-    rows are the bench's ``[at, stage, kind, status, ttft, prompt, cached, worker, bound]``
-    (status 0: failed or timed out, its ttft that of a first token that came)."""
+    rows are the bench's ``[at, stage, kind, status, ttft, prompt, cached, worker, bound,
+    admitted_bound]`` (status 0: failed or timed out, its ttft that of a first token that
+    came; the last: the offline bound of what a run that shed admitted, else None)."""
     return [q[4] if q[3] == 200 and q[4] > 0 else math.inf for q in requests if q[1] == stage]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvbus.routing.admission import MAX_OUTPUT, STEP_WEIGHT, Admission, DecodeTimes
 from kvbus.routing.router import Router
-from kvbus.service.served_model import read_max_tokens
+from kvbus.service.served_model import MAX_CHOICES, read_choices, read_max_tokens
 
 from .test_pace import load, slow_b_router
 
@@ -94,6 +94,28 @@ def test_a_bodys_output_limit_is_read_only_when_it_is_a_positive_integer(
     body: dict[str, object], read: tuple[int | None, bool]
 ) -> None:
     assert read_max_tokens(body) == read
+
+
+@pytest.mark.parametrize(
+    ("body", "choices"),
+    [
+        ({}, 1),
+        ({"n": 4}, 4),
+        ({"n": 4.0}, 4),  # vLLM's pydantic takes it as 4
+        ({"n": 2.5}, 1),
+        ({"n": 0}, 1),
+        ({"n": -2}, 1),
+        ({"n": True}, 1),
+        ({"n": "4"}, 1),
+        ({"n": 2**80}, MAX_CHOICES),
+        ({"n": 3, "prompt": ["a", "b"]}, 6),  # a batch: each prompt's choices
+        ({"prompt": [[1, 2], [3]]}, 2),
+        ({"n": 3, "prompt": [1, 2, 3]}, 3),  # one prompt of token ids
+        ({"n": 2**13, "prompt": ["a"] * 4}, MAX_CHOICES),
+    ],
+)
+def test_a_bodys_choices_are_its_n_times_its_batch(body: dict[str, object], choices: int) -> None:
+    assert read_choices(body) == choices
 
 
 def test_a_request_its_worker_would_end_past_the_deadline_is_shed_and_assigns_nothing() -> None:

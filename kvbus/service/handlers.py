@@ -29,6 +29,7 @@ from kvbus.service.router_metrics import Metrics
 from kvbus.service.served_model import LOAD_ONLY, ServedModel, Tokenize
 from kvbus.service.upstream import (
     QUICK,
+    STEPPED_PATHS,
     BodyBudget,
     RequestBody,
     Upstream,
@@ -332,7 +333,8 @@ class RouterHTTP:
                 log.debug("%s %s", request.headers.get("x-request-id", "-"), decision.explain())
             if decision.shed:
                 return self._shed(decision, deadline, left)
-            decision.choices = read.choices
+            if request.path in STEPPED_PATHS:  # (n is theirs alone)
+                decision.choices = read.choices
             if not tried and (decision.engine_load or not self.followers.bus_up):
                 self.metrics.degraded_routes.inc()
             try:

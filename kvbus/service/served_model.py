@@ -86,18 +86,24 @@ def read_max_tokens(body: dict[str, Any]) -> tuple[int | None, bool]:
     return None, False
 
 
-MAX_CHOICES: Final = 1024
-"""The most choices (``n``) a request's answer is counted to carry; an engine refuses
-more long before (vLLM's server caps ``n`` by the sampler's limits)."""
+MAX_CHOICES: Final = 16384
+"""The most choices a request's answer is counted to carry: vLLM's own limit on ``n``
+(``VLLM_MAX_N_SEQUENCES``'s default)."""
 
 
 def read_choices(body: dict[str, Any]) -> int:
-    """How many answers a request asks for (OpenAI's ``n``; 1 when not said or not a
-    positive integer, at most `MAX_CHOICES`): each step of its engine brings a token of
-    each, and its usage counts all of their tokens."""
+    """How many answers a completion or chat request asks for: its ``n`` (1 when not
+    said or not a positive whole number; vLLM's pydantic takes 2.0 as 2), times the
+    prompts of a batched completion; at most `MAX_CHOICES`. Each step of its engine
+    brings a token of each, and its usage counts all of their tokens."""
     value = body.get("n")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        return 1
+        value = 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        value *= len(prompt)  # a batch: vLLM streams each prompt's choices
     return min(value, MAX_CHOICES)
 
 

@@ -61,9 +61,10 @@ _GENERATING: Final = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 )
 """Paths whose answers' usage counts output (`Router.answered`)."""
-_STEPPED: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
+STEPPED_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Paths whose streams time their worker's steps: one data event a step for each
-choice (the Responses and Anthropic APIs' streams send events before the prefill)."""
+choice still generating (the Responses and Anthropic APIs' streams send several events
+a step, of kinds that vary with the output)."""
 MAX_HOP_ANSWER: Final = 2**20
 """Bytes of an answer the client does not see (P/D's prefill hop: one token's)."""
 SHOWN_ERROR: Final = 240
@@ -403,10 +404,13 @@ class Upstream:
             lambda: self._stalled(decision),
         )
         tail = bytearray()
-        timed = request.path in _STEPPED
+        timed = request.path in STEPPED_PATHS
         came = ready = 0.0  # when the latest chunk came, and when it was written
         chunks = 0
+        # A Responses API stream's preamble comes before the prefill (`ResponsesOpening`).
+        opening = ResponsesOpening() if request.path == "/v1/responses" else None
         began = False
+        live = decision.choices  # its choices still generating (`_step`)
         try:
             while True:
                 watch.reading()
@@ -427,17 +431,20 @@ class Upstream:
                 chunks += 1
                 if not tail and self.answered is not None:  # the first bytes
                     self.answered(request, decision, upstream.status, bytes(chunk[:_HEAD]))
-                if not began and _output_began(request.path, chunk):
-                    began = True  # the engine is past this prompt's prefill
-                    self.router.started(decision)
+                if not began:
+                    began = opening is None or opening.passed(chunk)
+                    if began:  # the engine is past this prompt's prefill
+                        self.router.started(decision)
                 if timed:
                     now = time.perf_counter()
-                    # Not the first gap (a chat's role may come before its prefill), nor
-                    # one that came within MIN_STEP of the last one's write: the same
-                    # step's (its usage and [DONE]), or one that waited on the client's
-                    # reading, not on the engine's step.
+                    # Not the first gap (a server may send a chat's role before the
+                    # prefill; vLLM does not), nor one that came within MIN_STEP of the
+                    # last one's write: the same step's (its usage and [DONE]), or one
+                    # that waited on the client's reading, not on the engine's step.
                     if chunks > 2 and now - ready >= MIN_STEP:
-                        self._step(decision, now - came, chunk)
+                        self._step(decision, now - came, chunk, live)
+                    if live > 1:  # choices that finished send no more events
+                        live = max(1, live - _finished(chunk))
                     came = now
                 watch.writing()
                 try:
@@ -457,31 +464,51 @@ class Upstream:
         await self._send(request, response.write_eof(), decision)
         return response, tail
 
-    def _step(self, decision: Decision, seconds: float, chunk: bytes) -> None:
+    def _step(self, decision: Decision, seconds: float, chunk: bytes, live: int) -> None:
         """``chunk`` of ``decision``'s stream came ``seconds`` after the one before: that
         long per step in it (several: steps the relay read at once; a step brings an
-        event for each of the request's choices). Not counted: ``[DONE]`` and the usage
-        event (no choices), which vLLM sends with the last token; a chunk of nothing else
-        is no step."""
+        event for each of the ``live`` choices still generating). Not counted: ``[DONE]``
+        and the usage event (no choices), which vLLM sends with the last token; a chunk
+        of nothing else is no step."""
         events = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
         events -= chunk.count(b'"choices":[]') + chunk.count(b'"choices": []')
         if events > 0:
-            self.router.stepped(decision, seconds / max(1.0, events / decision.choices))
+            self.router.stepped(decision, seconds / max(1.0, events / live))
 
 
-_PREAMBLE: Final = (b"event: response.created\n", b"event: response.in_progress\n")
-
-
-def _output_began(path: str, chunk: bytes) -> bool:
-    """Whether ``chunk`` of a stream answering ``path`` shows its engine past the
-    prompt's prefill. A Responses API stream opens with `response.created` and
+class ResponsesOpening:
+    """Where a Responses API stream passes its preamble: `response.created` and
     `response.in_progress`, sent on accepting the request (vLLM's
-    ``responses/serving.py``), before any step; every other stream's first bytes come
-    with its first token (a chat's role chunk too, as vLLM sends it)."""
-    if path != "/v1/responses":
-        return True
-    events = chunk.count(b"event:")
-    return events == 0 or events > sum(chunk.count(kind) for kind in _PREAMBLE)
+    ``responses/serving.py``), before any step. Its first other event comes with the
+    first output (every other stream's first bytes do: a chat's role chunk too, as vLLM
+    sends it). Fed the chunks as read, split anywhere: an event line cut in two is
+    judged whole, with the next chunk."""
+
+    PREAMBLE: Final = (b"\nevent: response.created\n", b"\nevent: response.in_progress\n")
+    KEPT: Final = 64
+    """Bytes of an unfinished line kept for the next chunk: an event line's name."""
+
+    def __init__(self) -> None:
+        self.evented = False
+        """An ``event:`` line came (a server may name no events: then its first data)."""
+        self.partial = b"\n"
+        """The unfinished last line so far (its start), after the newline before it."""
+
+    def passed(self, chunk: bytes) -> bool:
+        text = self.partial + chunk
+        cut = text.rfind(b"\n")
+        lines = text[: cut + 1]  # whole lines, each after a newline
+        self.partial = b"\n" + text[cut + 1 : cut + 1 + self.KEPT]
+        events = lines.count(b"\nevent:")
+        if events:
+            self.evented = True
+            return events > sum(lines.count(kind) for kind in self.PREAMBLE)
+        return not self.evented and b"\ndata:" in lines
+
+
+def _finished(chunk: bytes) -> int:
+    """Choices that ``chunk`` of a completion or chat stream ends (a finish reason)."""
+    return chunk.count(b'"finish_reason":"') + chunk.count(b'"finish_reason": "')
 
 
 def _drop(request: web.Request) -> None:
