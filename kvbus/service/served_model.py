@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeGuard
 
 import aiohttp
 
@@ -102,9 +102,15 @@ def read_choices(body: dict[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         value = 1
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        value *= len(prompt)  # a batch: vLLM streams each prompt's choices
+    if _batch(prompt):
+        value *= len(prompt)  # vLLM streams each prompt's choices
     return min(value, MAX_CHOICES)
+
+
+def _batch(prompt: Any) -> TypeGuard[list[Any]]:
+    """Whether a completion's ``prompt`` is a batch: a list of texts or of id lists,
+    not one prompt's token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 class Tokenizer:
@@ -145,8 +151,8 @@ class Tokenizer:
 
     def completion(self, body: dict[str, Any]) -> list[int]:
         prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            prompt = prompt[0]  # a batch: route by its first prompt
+        if _batch(prompt):
+            prompt = prompt[0]  # route by its first prompt
         if isinstance(prompt, list):
             tokens = [int(t) for t in prompt]
             if not all(0 <= t < _TOKEN_LIMIT for t in tokens):
