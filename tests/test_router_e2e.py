@@ -56,7 +56,7 @@ def router(cluster: Cluster) -> Iterator[RouterProcess]:
 
 
 async def test_kv_policy_doubles_the_engines_hit_rate_and_predicts_it(cluster: Cluster) -> None:
-    requests = workload(seed=7, tenants=8, rounds=32)
+    requests = workload(seed=7, tenants=8, rounds=16)  # the demo's size
     kv = await cluster.run_policy("kv", requests, concurrency=2)
     round_robin = await cluster.run_policy("round_robin", requests, concurrency=2)
 
