@@ -33,9 +33,9 @@ answers lately seen (their usage). Nothing is shed on what is not yet known (NaN
 
 No margin is added to the estimate. On that trace its median is right (a request's end
 over its prediction: 1.07) and its spread wide (0.55-2.97, p10-p90): the requests that
-timed out had been predicted at 0.35-0.81 of the limit, their decodes crowded by the
-prefills of later arrivals, and the decode's estimate times 1.4 would have shed 84
-requests in time for each one late (`BENCHMARKS.md`, twentieth session).
+timed out had been predicted at 0.35-0.79 of the limit, and the decode's estimate times
+1.4 would have shed 170 requests in time for each one that timed out (`BENCHMARKS.md`,
+twentieth session).
 """
 
 from __future__ import annotations
